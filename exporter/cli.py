@@ -1,0 +1,227 @@
+"""Command line: ``gpu-alloc-exporter [serve] | demo | scan``.
+
+Flags are generated from :class:`exporter.settings.Settings`; ``--help`` shows each one's
+environment variable. ``main(argv)`` returns the exit status: 0 on a clean stop, 2 for unusable
+configuration (one line on stderr), 1 for anything unexpected.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import logging
+import os
+import signal
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+from exporter import __version__
+from exporter.settings import ENV_PREFIX, ConfigError, Settings, parse_listen_address
+
+__all__ = ["main", "run"]
+
+log = logging.getLogger("exporter")
+
+COMMANDS = {
+    "serve": "watch the scratch roots and serve metrics (the default)",
+    "demo": "build a realistic sample scratch root and serve it",
+    "scan": "print the current allocation once and exit",
+}
+
+
+def run() -> None:
+    """Console-script entry point."""
+    sys.exit(main())
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = argv.pop(0) if argv and argv[0] in COMMANDS else "serve"
+    parser = build_parser(command)
+    args = vars(parser.parse_args(argv))
+    extra = {k: args.pop(k) for k in list(args) if k.startswith("cmd_")}
+    config_file = args.pop("config_file", None)
+    try:
+        settings = Settings.load(args, Path(config_file) if config_file else None)
+    except ConfigError as exc:
+        print(f"gpu-alloc-exporter: {exc}", file=sys.stderr)
+        return 2
+    setup_logging(settings.log_level, settings.log_format)
+    try:
+        if command == "scan":
+            return _scan(settings, extra["cmd_output"])
+        if command == "demo":
+            return _demo(settings, extra["cmd_dir"])
+        return serve(settings, allow_missing_root=extra["cmd_allow_missing_root"])
+    except ConfigError as exc:
+        print(f"gpu-alloc-exporter: {exc}", file=sys.stderr)
+        return 2
+
+
+def build_parser(command: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gpu-alloc-exporter" + ("" if command == "serve" else f" {command}"),
+        description="Prometheus exporter for live GPU allocation on Backend.AI agent nodes. Commands: "
+        + "; ".join(f"{c}: {h}" for c, h in COMMANDS.items()),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        argument_default=argparse.SUPPRESS,
+    )
+    parser.add_argument("--version", action="version", version=f"gpu-alloc-exporter {__version__}")
+    parser.add_argument("--config.file", dest="config_file", metavar="PATH",
+                        help=f"YAML or TOML file with settings (env: {ENV_PREFIX}CONFIG_FILE)",
+                        default=os.environ.get(f"{ENV_PREFIX}CONFIG_FILE"))
+    for name, field in Settings.model_fields.items():
+        extra = field.json_schema_extra or {}
+        env = f"{ENV_PREFIX}{name.upper()}"
+        default = field.default
+        shown = ",".join(map(str, default)) if isinstance(default, list) else default
+        help_text = f"{field.description} (default: {shown}; env: {env})"
+        kwargs: dict[str, Any] = {"dest": name, "help": help_text}
+        if field.annotation is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif extra.get("repeat"):
+            kwargs.update(action="append", metavar="PATH")
+        else:
+            kwargs["metavar"] = name.rsplit("_", 1)[-1].upper()
+        parser.add_argument(extra["flag"], **kwargs)
+    if command == "serve":
+        parser.add_argument("--scratch.allow-missing-root", dest="cmd_allow_missing_root", action="store_true",
+                            default=False, help="start even if a scratch root does not exist yet (it is picked up when it appears)")
+    if command == "scan":
+        parser.add_argument("--output", dest="cmd_output", choices=["table", "json"], default="table")
+    if command == "demo":
+        parser.add_argument("--demo.dir", dest="cmd_dir", metavar="PATH", default=None,
+                            help="where to build the sample scratch root (default: a new temporary directory)")
+    return parser
+
+
+def setup_logging(level: str, fmt: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_JsonFormatter() if fmt == "json" else _LogfmtFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    # watchdog logs every overflow at WARNING; the watcher reports it itself.
+    logging.getLogger("watchdog").setLevel(logging.ERROR)
+
+
+class _LogfmtFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        msg = record.getMessage().replace('"', '\\"').replace("\n", "\\n")
+        line = f'ts={self.formatTime(record, "%Y-%m-%dT%H:%M:%S")} level={record.levelname.lower()} logger={record.name} msg="{msg}"'
+        if record.exc_info:
+            line += ' exc="' + self.formatException(record.exc_info).replace('"', '\\"').replace("\n", "\\n") + '"'
+        return line
+
+
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        doc = {"ts": record.created, "level": record.levelname.lower(), "logger": record.name, "msg": record.getMessage()}
+        if record.exc_info:
+            doc["exc"] = self.formatException(record.exc_info)
+        return json.dumps(doc)
+
+
+def _check_roots(settings: Settings, allow_missing: bool) -> None:
+    for root in settings.scratch_roots:
+        if not root.is_dir():
+            if allow_missing and not root.exists():
+                log.warning("scratch root %s does not exist yet; waiting for it", root)
+                continue
+            raise ConfigError(f"scratch root {root} is not a directory (set --scratch.root)")
+        if not os.access(root, os.R_OK | os.X_OK):
+            raise ConfigError(f"scratch root {root} is not readable by uid {os.getuid()}")
+
+
+def serve(settings: Settings, *, allow_missing_root: bool = False, on_ready=None, stop: threading.Event | None = None) -> int:
+    """Run the exporter until SIGTERM/SIGINT (or ``stop`` is set)."""
+    from exporter.app import Exporter
+    from exporter.server import HttpServer
+
+    _check_roots(settings, allow_missing_root)
+    host, port = parse_listen_address(settings.web_listen_address)
+    exporter = Exporter(settings)
+    server = HttpServer(exporter.handle, host, port)
+    try:
+        server.start()
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise ConfigError(f"{settings.web_listen_address} is already in use (set --web.listen-address)") from None
+        raise ConfigError(f"cannot listen on {settings.web_listen_address}: {exc.strerror}") from None
+    stop = stop or threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+    try:
+        exporter.start()
+        shown = f"[{host}]" if ":" in host else (host or "0.0.0.0")
+        log.info("serving on http://%s:%d/metrics (scratch roots: %s)", shown, server.port,
+                 ", ".join(map(str, settings.scratch_roots)))
+        if on_ready:
+            on_ready(exporter, server)
+        stop.wait()
+    finally:
+        server.close()
+        exporter.close()
+    log.info("stopped")
+    return 0
+
+
+def _scan(settings: Settings, output: str) -> int:
+    from exporter.allocation import AllocationBook
+    from exporter.app import state_document
+    from exporter.scratch import Scanner
+
+    _check_roots(settings, allow_missing=False)
+    book = AllocationBook()
+    scanner = Scanner(book, settings.scratch_max_file_bytes)
+    for root in settings.scratch_roots:
+        scanner.scan(str(root))
+    view = book.view()
+    if output == "json":
+        print(json.dumps(state_document(view, [str(r) for r in settings.scratch_roots]), indent=1))
+        return 0
+    print(format_table(view))
+    return 0
+
+
+def format_table(view) -> str:
+    """Human-readable allocation: devices first, then kernels that are not ok."""
+    from exporter.allocation import KernelState
+
+    lines = [f"{'DEVICE':<48} {'SLOT':<28} {'ALLOCATED':>14}"]
+    for (device_id, slot), amount in sorted(view.device_totals.items()):
+        lines.append(f"{device_id:<48} {slot:<28} {amount:>14}")
+    lines.append("")
+    lines.append(f"{'DEVICE':<48} {'FGPU (gpu_alloc_map)':>20}")
+    for device_id, amount in view.alloc_map.items():
+        lines.append(f"{device_id:<48} {amount:>20}")
+    lines.append("")
+    counts = ", ".join(f"{s.value} {n}" for s, n in view.state_counts.items())
+    lines.append(f"kernels: {counts}")
+    for k in sorted(view.kernels.values(), key=lambda k: k.kernel_id):
+        if k.state is not KernelState.OK:
+            lines.append(f"  {k.kernel_id}: {k.state.value}: {k.reason}")
+    return "\n".join(lines)
+
+
+def _demo(settings: Settings, directory: str | None) -> int:
+    from exporter.demo import build_demo_tree
+
+    root = Path(directory) if directory else Path(tempfile.mkdtemp(prefix="gpu-alloc-demo-"))
+    build_demo_tree(root)
+    settings = settings.model_copy(update={"scratch_roots": [root]})
+
+    def announce(exporter, server) -> None:
+        host, _ = parse_listen_address(settings.web_listen_address)
+        base = f"http://{host if host not in ('', '0.0.0.0', '::') else '127.0.0.1'}:{server.port}"
+        print(f"gpu-alloc-exporter demo: sample scratch root at {root}", flush=True)
+        for path in ("/metrics", "/api/v1/alloc-map", "/api/v1/state", "/-/ready"):
+            print(f"  {base}{path}", flush=True)
+        print("Press Ctrl-C to stop.", flush=True)
+
+    return serve(settings, on_ready=announce)

@@ -1,0 +1,141 @@
+"""Metric families built fresh from published snapshots (a custom prometheus_client collector).
+
+Nothing here holds metric state between scrapes: a kernel whose directory disappears simply stops
+appearing. Sample output::
+
+    gpu_alloc_device_fgpu_allocated{device_id="GPU-5d2c…"} 1.2
+    gpu_alloc_kernel_allocated{device_id="GPU-5d2c…",kernel_id="0b3f…",slot="cuda.shares"} 0.6
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+from collections.abc import Callable, Iterable, Iterator
+from decimal import Decimal
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from exporter import __version__
+from exporter.allocation import FGPU_SLOTS, AllocationView, KernelState, is_accelerator_slot
+from exporter.resources import SlotKind, slot_kind
+from exporter.watcher import WatcherStatus
+
+__all__ = ["ExporterCollector", "allocation_families", "build_info", "watcher_families"]
+
+log = logging.getLogger(__name__)
+
+
+def _g(name: str, doc: str, labels: Iterable[str] = ()) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, labels=list(labels))
+
+
+def allocation_families(view: AllocationView) -> list[Metric]:
+    """Per device, per kernel and per node allocation from one :class:`AllocationView`."""
+    dev_count = _g("gpu_alloc_device_allocated", "Amount of a count slot allocated on a device, summed over kernels (fGPU shares, GPUs, MIG instances)", ["device_id", "slot"])
+    dev_bytes = _g("gpu_alloc_device_allocated_bytes", "Amount of a bytes slot allocated on a device, summed over kernels", ["device_id", "slot"])
+    fgpu = _g("gpu_alloc_device_fgpu_allocated", "cuda.shares plus cuda.device allocated on a device, as Backend.AI's gpu_alloc_map reports it", ["device_id"])
+    for (device_id, slot), amount in sorted(view.device_totals.items()):
+        (dev_bytes if slot_kind(slot) is SlotKind.BYTES else dev_count).add_metric([device_id, slot], float(amount))
+    for device_id, amount in view.alloc_map.items():
+        fgpu.add_metric([device_id], float(Decimal(amount)))
+
+    k_count = _g("gpu_alloc_kernel_allocated", "Amount of a count slot a kernel holds on a device", ["kernel_id", "device_id", "slot"])
+    k_bytes = _g("gpu_alloc_kernel_allocated_bytes", "Amount of a bytes slot a kernel holds on a device", ["kernel_id", "device_id", "slot"])
+    k_info = _g("gpu_alloc_kernel_info", "Kernel scratch directories seen, with their parse state (ok, pending, invalid)", ["kernel_id", "state"])
+    for kernel_id, kernel in sorted(view.kernels.items()):
+        k_info.add_metric([kernel_id, kernel.state.value], 1)
+        for a in kernel.allocations:
+            if is_accelerator_slot(a.slot):
+                fam = k_bytes if slot_kind(a.slot) is SlotKind.BYTES else k_count
+                fam.add_metric([kernel_id, a.device_id, a.slot], float(a.amount))
+
+    node_count = _g("gpu_alloc_node_allocated", "Amount of an intrinsic count slot (cpu) allocated on the node, summed over kernels", ["slot"])
+    node_bytes = _g("gpu_alloc_node_allocated_bytes", "Amount of an intrinsic bytes slot (mem) allocated on the node, summed over kernels", ["slot"])
+    for slot, amount in sorted(view.node_totals.items()):
+        (node_bytes if slot_kind(slot) is SlotKind.BYTES else node_count).add_metric([slot], float(amount))
+
+    states = _g("gpu_alloc_kernels", "Kernel scratch directories by parse state", ["state"])
+    for state in KernelState:
+        states.add_metric([state.value], view.state_counts.get(state, 0))
+    errors = CounterMetricFamily("gpu_alloc_resource_parse_errors", "Reads of resource.txt that found a malformed file")
+    errors.add_metric([], view.parse_errors_total)
+    return [dev_count, dev_bytes, fgpu, k_count, k_bytes, k_info, node_count, node_bytes, states, errors]
+
+
+def watcher_families(status: WatcherStatus) -> list[Metric]:
+    """The scratch watcher's own health, and the scratch collector's success and duration."""
+    scan_ok = all(s.ok for s in status.last_scan)
+    out = [
+        _one("gpu_alloc_watcher_up", "1 if the scratch watcher's threads are alive", int(status.up)),
+        _one("gpu_alloc_watcher_degraded", "1 if events may be missed (inotify watch limit, unreadable root); rescans then run at the poll interval", int(status.degraded is not None)),
+        _one("gpu_alloc_watcher_watches", "inotify watches held (one per kernel plus one per scratch root)", status.watches),
+        _counter("gpu_alloc_watcher_events", "inotify events handled", status.events_total),
+        _counter("gpu_alloc_watcher_overflows", "inotify queue overflows (each triggers a full rescan)", status.overflows_total),
+        _counter("gpu_alloc_watcher_errors", "Errors while watching or handling events", status.watch_errors_total),
+        _counter("gpu_alloc_watcher_rescans", "Full rescans of the scratch roots (start, periodic, after overflow)", status.rescans_total),
+    ]
+    if status.last_event_timestamp is not None:
+        out.append(_one("gpu_alloc_watcher_last_event_timestamp_seconds", "Unix time of the last inotify event", status.last_event_timestamp))
+    roots = _g("gpu_alloc_scratch_root_up", "1 if the scratch root could be listed at the last scan", ["scratch_root"])
+    for s in status.last_scan:
+        roots.add_metric([s.root], int(s.ok))
+    out.append(roots)
+    success = _g("gpu_alloc_collector_success", "1 if the collector's last run succeeded", ["collector"])
+    success.add_metric(["scratch"], int(scan_ok and bool(status.last_scan)))
+    duration = _g("gpu_alloc_collector_duration_seconds", "Duration of the collector's last run", ["collector"])
+    duration.add_metric(["scratch"], sum(s.duration_seconds for s in status.last_scan))
+    out += [success, duration]
+    return out
+
+
+def build_info(agent_id: str | None) -> Metric:
+    info = _g("gpu_alloc_build_info", "Exporter build and runtime identity", ["version", "python_version", "agent_id"])
+    info.add_metric([__version__, platform.python_version(), agent_id or ""], 1)
+    return info
+
+
+def _one(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=value)
+
+
+def merge(families: Iterable[Metric]) -> Iterator[Metric]:
+    """Merge families of the same name (several sources report gpu_alloc_collector_success)."""
+    by_name: dict[str, Metric] = {}
+    for fam in families:
+        if fam.name in by_name:
+            by_name[fam.name].samples.extend(fam.samples)
+        else:
+            by_name[fam.name] = fam
+    return iter(by_name.values())
+
+
+class ExporterCollector(Collector):
+    """Yields every family from named sources; each is a zero-argument callable returning families,
+    so adding one (telemetry, headroom, attribution) never touches this class.
+
+    A source that raises is logged and reported as ``gpu_alloc_collector_success{collector} 0``;
+    the scrape itself still succeeds with everything else.
+    """
+
+    def __init__(self, sources: Iterable[tuple[str, Callable[[], Iterable[Metric]]]]) -> None:
+        self._sources = list(sources)
+
+    def collect(self) -> Iterator[Metric]:
+        return merge(self._gather())
+
+    def _gather(self) -> Iterator[Metric]:
+        for name, source in self._sources:
+            try:
+                families = list(source())
+            except Exception:
+                log.exception("collector %s failed", name)
+                failed = _g("gpu_alloc_collector_success", "1 if the collector's last run succeeded", ["collector"])
+                failed.add_metric([name], 0)
+                families = [failed]
+            yield from families

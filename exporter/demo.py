@@ -1,0 +1,105 @@
+"""A realistic sample scratch root for ``gpu-alloc-exporter demo``.
+
+The devices come from the packaged ``data/demo-devices.toml`` (the same file the demo's mock
+telemetry reads), so allocations and telemetry describe the same GPUs. Files are written in the
+current agent format (``CID=`` appended last, compact ``SLOTS``), as Backend.AI writes them.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+import uuid
+from decimal import Decimal
+from importlib import resources
+from pathlib import Path
+
+__all__ = ["DEMO_DEVICES", "build_demo_tree", "demo_devices", "write_kernel"]
+
+DEMO_DEVICES = "demo-devices.toml"
+
+
+def demo_devices() -> tuple[list[str], list[tuple[str, str]]]:
+    """Device ids as resource.txt spells them: (whole GPUs as ``GPU-<uuid>``, [(MIG id, MIG slot)])."""
+    doc = tomllib.loads(resources.files("exporter").joinpath("data", DEMO_DEVICES).read_text())
+    gpus, migs = [], []
+    for idx, dev in enumerate(doc["devices"]):
+        if dev.get("is_mig_device"):
+            profile = dev["model_name"].split("-", 1)[1]
+            migs.append((f"MIG-{dev['mother_uuid']}/{idx}/0", f"cuda.device:{profile}-mig"))
+        else:
+            gpus.append(f"GPU-{dev['mother_uuid']}")
+    return gpus, migs
+
+
+def write_kernel(
+    root: Path,
+    kernel_id: str,
+    allocations: dict[str, dict[str, Decimal | str]],
+    *,
+    cpus: int = 2,
+    mem: str = "8g",
+    container_id: str | None = None,
+    complete: bool = True,
+) -> Path:
+    """Write ``{root}/{kernel_id}/config/resource.txt`` as the agent does (slot -> device -> amount).
+
+    ``complete=False`` writes only the first line, as a reader sees a file the agent is still writing.
+    """
+    config = root / kernel_id / "config"
+    config.mkdir(parents=True, exist_ok=True)
+    (root / kernel_id / "work").mkdir(exist_ok=True)
+    slots = {"cpu": str(cpus), "mem": str(_bytes(mem))}
+    for slot, per_device in allocations.items():
+        slots[slot] = str(sum((Decimal(str(v)) for v in per_device.values()), Decimal(0)))
+    lines = ["SCRATCH_SIZE=0m", "MOUNTS=", "SLOTS=" + json.dumps(slots, separators=(",", ":")), "UNIFIED_DEVICES=[]"]
+    for slot, per_device in allocations.items():
+        lines.append(f"{slot.upper()}_SHARES=" + ",".join(f"{d}:{v}" for d, v in per_device.items()))
+    lines.append("CPU_SHARES=" + ",".join(f"{i}:1" for i in range(cpus)))
+    lines.append(f"MEM_SHARES=root:{mem}")
+    text = "\n".join(lines) + "\n"
+    if container_id:
+        text += f"CID={container_id}\n"
+    path = config / "resource.txt"
+    path.write_text(text if complete else lines[0] + "\n")
+    return path
+
+
+def _bytes(size: str) -> int:
+    from exporter.resources import parse_binary_size
+
+    return parse_binary_size(size)
+
+
+def build_demo_tree(root: Path) -> list[str]:
+    """Populate ``root`` with fGPU, whole-GPU, MIG, CPU-only and pending kernels. Returns kernel ids."""
+    root.mkdir(parents=True, exist_ok=True)
+    gpus, migs = demo_devices()
+    ids = iter(str(uuid.UUID(int=0x5EED0000_0000_4000_8000_000000000000 + i)) for i in range(1000))
+    cid = iter(f"{i:02x}" * 32 for i in range(1, 1000))
+    kernels: list[str] = []
+
+    def add(allocs: dict, **kw) -> None:
+        kid = next(ids)
+        write_kernel(root, kid, allocs, container_id=next(cid), **kw)
+        kernels.append(kid)
+
+    fgpu = gpus[:-1]
+    # fGPU kernels spread over the fractional devices, with amounts users actually request.
+    for i, amount in enumerate(["0.5", "1", "2", "2.5", "4", "1.5", "0.25", "3"]):
+        add({"cuda.shares": {fgpu[i % len(fgpu)]: Decimal(amount)}}, cpus=4, mem="16g")
+    # One large request split evenly over two devices, as the EVENLY allocator does.
+    add({"cuda.shares": {fgpu[0]: Decimal("3.00"), fgpu[1]: Decimal("3.00")}}, cpus=8, mem="64g")
+    # A whole-GPU kernel on the last non-MIG GPU.
+    add({"cuda.device": {gpus[-1]: Decimal(1)}}, cpus=16, mem="128g")
+    # MIG slices: every other instance taken.
+    for mig_id, slot in migs[::2]:
+        add({slot: {mig_id: Decimal(1)}}, cpus=2, mem="8g")
+    # CPU-only kernels.
+    add({}, cpus=8, mem="32g")
+    add({}, cpus=2, mem="4g")
+    # A kernel the agent is still writing.
+    kid = next(ids)
+    write_kernel(root, kid, {"cuda.shares": {fgpu[-1]: Decimal("1")}}, complete=False)
+    kernels.append(kid)
+    return kernels
