@@ -47,7 +47,7 @@ def read_kernel(root: str, kernel_id: str, max_bytes: int = DEFAULT_MAX_BYTES):
     kdir = os.path.join(root, kernel_id)
     path = os.path.join(kdir, RESOURCE_FILE)
     try:
-        data = _read_bounded(root, path, max_bytes)
+        data = _read_bounded(root, kernel_id, max_bytes)
     except FileNotFoundError:
         if not os.path.isdir(kdir):
             return None
@@ -72,13 +72,35 @@ class _Refused(Exception):
     """A file we will not read, with the reason."""
 
 
-def _read_bounded(root: str, path: str, max_bytes: int) -> bytes:
-    real_root = os.path.realpath(root)
-    real = os.path.realpath(path)
+_NOFOLLOW_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# O_NONBLOCK: opening a FIFO planted in place of the file must not hang the scanner.
+_NOFOLLOW_FILE = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _open_resource(root: str, kernel_id: str) -> int:
+    """Open ``{kernel}/config/resource.txt`` one component at a time without following symlinks
+    (three cheap opens instead of a realpath per file). A symlink is followed only if it resolves
+    inside the scratch root."""
+    config, name = RESOURCE_FILE.parts
+    fds: list[int] = []
+    try:
+        fds.append(os.open(os.path.join(root, kernel_id), _NOFOLLOW_DIR))
+        fds.append(os.open(config, _NOFOLLOW_DIR, dir_fd=fds[-1]))
+        return os.open(name, _NOFOLLOW_FILE, dir_fd=fds[-1])
+    except OSError as exc:
+        if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+            raise
+    finally:
+        for fd in fds:
+            os.close(fd)
+    real_root, real = os.path.realpath(root), os.path.realpath(os.path.join(root, kernel_id, RESOURCE_FILE))
     if os.path.commonpath([real_root, real]) != real_root:
         raise _Refused("symlink points outside the scratch root")
-    # O_NONBLOCK: opening a FIFO planted in place of the file must not hang the scanner.
-    fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    return os.open(real, _NOFOLLOW_FILE)
+
+
+def _read_bounded(root: str, kernel_id: str, max_bytes: int) -> bytes:
+    fd = _open_resource(root, kernel_id)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):

@@ -171,3 +171,15 @@ def test_a_missing_root_empties_it_and_reports_the_error(tmp_path: Path) -> None
     stats = scanner.scan(str(tmp_path / "root"))
     assert not stats.ok and "No such file" in stats.error
     assert book.view().kernels == {}
+
+
+def test_symlinks_inside_the_root_are_followed_and_outside_refused(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    write_kernel(root, "real", {"cuda.shares": {"GPU-a": Decimal("0.5")}})
+    (root / "alias").mkdir()
+    (root / "alias/config").symlink_to(root / "real/config")
+    write_kernel(tmp_path / "elsewhere", "k", {"cuda.shares": {"GPU-a": Decimal("0.5")}})
+    (root / "escape").mkdir()
+    (root / "escape/config").symlink_to(tmp_path / "elsewhere/k/config")
+    assert read_kernel(str(root) + "/", "alias").allocations
+    assert "outside the scratch root" in str(read_kernel(str(root), "escape"))
