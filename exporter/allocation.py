@@ -16,7 +16,6 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from functools import cached_property
 from decimal import Decimal
 from enum import Enum
 from types import MappingProxyType
@@ -86,41 +85,44 @@ class AllocationView:
     parse_errors_total: int
     created_at: float = field(compare=False)
 
-    @cached_property
-    def alloc_map(self) -> Mapping[str, str]:
-        """Backend.AI's ``gpu_alloc_map``: per device id, ``cuda.shares`` + ``cuda.device``, as
-        ``str(Decimal)`` exactly as the agent's RPC returns it (devices with no entry are absent).
-
-        Summed afresh in kernel order rather than taken from the running totals: ``Decimal`` keeps
-        trailing zeros (``1.50 - 0.50`` prints ``1.00`` where a fresh sum prints ``1``), and the
-        strings must equal the agent's.
-        """
-        totals: dict[str, Decimal] = {}
-        for kernel in self.kernels.values():
-            for a in kernel.allocations:
-                if a.slot in FGPU_SLOTS:
-                    totals[a.device_id] = totals.get(a.device_id, Decimal(0)) + a.amount
-        return MappingProxyType({d: str(v) for d, v in sorted(totals.items())})
+    # Backend.AI's ``gpu_alloc_map``: per device id, ``cuda.shares`` + ``cuda.device``, as
+    # ``str(Decimal)`` exactly as the agent's RPC returns it (devices with no entry are absent).
+    alloc_map: Mapping[str, str]
 
     def device_ids(self) -> frozenset[str]:
         return frozenset(d for d, _ in self.device_totals)
 
 
 class _Totals:
-    """Exact running sums with reference counts, so a key disappears with its last contributor."""
+    """Exact running sums, keyed, that drop a key with its last contributor.
+
+    ``Decimal`` keeps trailing zeros: a fresh ``0 + 1 + 0.50`` prints ``1.50`` and, after the
+    ``0.50`` leaves, a fresh sum prints ``1`` where a running ``1.50 - 0.50`` prints ``1.00``. To
+    print what the agent would, each key also counts its contributors' exponents, and
+    :meth:`exponent` gives the one a fresh sum would have.
+    """
 
     def __init__(self) -> None:
         self.sums: dict = {}
-        self._refs: dict = {}
+        self._exps: dict = {}  # key -> {exponent: number of contributions}
 
     def add(self, key, amount: Decimal, sign: int) -> None:
-        refs = self._refs.get(key, 0) + sign
-        if refs == 0:
-            del self._refs[key]
+        exps = self._exps.setdefault(key, {})
+        e = amount.as_tuple().exponent
+        left = exps.get(e, 0) + sign
+        if left:
+            exps[e] = left
+        else:
+            del exps[e]
+        if not exps:
+            del self._exps[key]
             del self.sums[key]
             return
-        self._refs[key] = refs
         self.sums[key] = self.sums.get(key, Decimal(0)) + sign * amount
+
+    def exponent(self, key) -> int:
+        """The exponent of ``Decimal(0) + <current contributions>``."""
+        return min(0, *self._exps.get(key, {0: 1}))
 
 
 class AllocationBook:
@@ -191,12 +193,23 @@ class AllocationBook:
                     version=self._version,
                     kernels=MappingProxyType(dict(self._kernels)),
                     device_totals=MappingProxyType(dict(self._device.sums)),
+                    alloc_map=MappingProxyType(self._alloc_map()),
                     node_totals=MappingProxyType(dict(self._node.sums)),
                     state_counts=MappingProxyType(counts),
                     parse_errors_total=self._errors_total,
                     created_at=self._clock(),
                 )
             return self._view
+
+    def _alloc_map(self) -> dict[str, str]:
+        # O(devices), from the running totals; see _Totals for why exponents matter.
+        per_device: dict[str, list] = {}
+        for (device_id, slot), amount in self._device.sums.items():
+            if slot in FGPU_SLOTS:
+                acc = per_device.setdefault(device_id, [Decimal(0), 0])
+                acc[0] += amount
+                acc[1] = min(acc[1], self._device.exponent((device_id, slot)))
+        return {d: str(total.quantize(Decimal(1).scaleb(exp))) for d, (total, exp) in sorted(per_device.items())}
 
     def _swap(self, old: Kernel | None, new: Kernel | None) -> None:
         # Caller holds the lock.

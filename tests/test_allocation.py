@@ -96,9 +96,12 @@ def test_running_totals_equal_a_fresh_sum_after_random_churn() -> None:
             book.remove(kid)
             live.pop(kid, None)
             continue
-        amount = Decimal(rng.randrange(1, 400)) / 100
+        # Mixed exponents ("1", "1.50", "0.500", "8E+1") make trailing zeros matter in the output.
+        amount = rng.choice(["1", "2", "1.50", "0.5", "0.500", "0.25", "8E+1", "0.01", "3.10"])
         dev = f"GPU-{rng.randrange(4)}"
-        text = GOOD.replace("GPU-a:0.5", f"{dev}:{amount}")
+        slot = rng.choice(["CUDA.SHARES", "CUDA.DEVICE"])
+        text = f'SCRATCH_SIZE=0m\nMOUNTS=\nSLOTS={{"{slot.lower()}":"{amount}"}}\n{slot}_SHARES={dev}:{amount}\n'
+
         book.apply(kid, "/r", parse_resource(text))
         live[kid] = text
     view = book.view()
@@ -110,6 +113,7 @@ def test_running_totals_equal_a_fresh_sum_after_random_churn() -> None:
                 if "." in slot:
                     fresh[(dev, slot)] = fresh.get((dev, slot), Decimal(0)) + amt
     assert {k: v for k, v in view.device_totals.items()} == fresh
+    assert book.view().alloc_map == view.alloc_map
 
 
 def test_a_scratch_tree_of_backendai_samples_matches_what_the_agent_reads_back(tmp_path: Path) -> None:
