@@ -1,4 +1,11 @@
-"""Wiring: the allocation book, the watcher, telemetry and the HTTP routes of one exporter process.
+"""Wiring: the allocation book, the watcher, telemetry, analysis and the HTTP routes of one exporter.
+
+Three kinds of background work publish immutable results; scrapes only read them:
+
+* the scratch watcher keeps the :class:`AllocationBook` current (inotify thread + rescan worker);
+* the telemetry sampler publishes :class:`TelemetrySnapshot` s (NVML never runs in a scrape);
+* the analysis thread, after each telemetry sample (or every ``--telemetry.interval``), reads
+  the cgroup tree for stale kernels and ``/proc`` for process attribution, and publishes both.
 
 ``/metrics`` is rendered once per change of its inputs and served from cached bytes (plain and
 gzip): prometheus_client renders ~150k samples/s, so re-rendering 20,000 samples for every scrape
@@ -12,7 +19,8 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
 
@@ -21,10 +29,27 @@ from prometheus_client.core import Metric
 
 from exporter import __version__
 from exporter.allocation import AllocationBook, AllocationView
-from exporter.collector import ExporterCollector, allocation_families, build_info, watcher_families
+from exporter.attribution import AttributionResult, AttributionTracker, ProcFS
+from exporter.attribution_metrics import attribution_families
+from exporter.capacity import CapacityConfig
+from exporter.collector import (
+    ExporterCollector,
+    allocation_families,
+    build_info,
+    unknown_device_families,
+    watcher_families,
+)
+from exporter.devices import DeviceResolver
+from exporter.headroom_metrics import DEFAULT_REQUESTS, HeadroomParams, NodeState, headroom_families, live_state
+from exporter.mig_geometry import parse_hami_geometries
+from exporter.placement import NoFragRule, Request as PlacementRequest
 from exporter.scratch import Scanner
 from exporter.server import Request, Response
-from exporter.settings import Settings
+from exporter.settings import ConfigError, Settings
+from exporter.simulate import result_document, simulate
+from exporter.staleness import CgroupScan, KernelLiveness, classify_kernels, scan_cgroups
+from exporter.telemetry import TelemetrySampler, TelemetrySnapshot, TelemetrySource, open_source
+from exporter.telemetry_metrics import telemetry_families
 from exporter.watcher import ScratchWatcher
 
 __all__ = ["Exporter", "state_document"]
@@ -35,12 +60,79 @@ TEXT_FORMAT = "text/plain; version=0.0.4; charset=utf-8"
 JSON = "application/json"
 
 
-class Exporter:
-    """One exporter: call :meth:`start`, serve :meth:`handle`, then :meth:`close`."""
+@dataclass(frozen=True)
+class Analysis:
+    """What the analysis thread last published."""
 
-    def __init__(self, settings: Settings, *, clock: Callable[[], float] = time.time) -> None:
+    version: int = 0
+    cgroups: CgroupScan | None = None
+    liveness: Mapping[str, KernelLiveness] = field(default_factory=dict)
+    attribution: AttributionResult | None = None
+
+
+@dataclass(frozen=True)
+class _Scrape:
+    """The inputs of one rendering, taken together so every family sees the same state."""
+
+    view: AllocationView
+    snapshot: TelemetrySnapshot
+    resolver: DeviceResolver
+    analysis: Analysis
+
+
+def headroom_params(settings: Settings) -> HeadroomParams:
+    """Headroom settings from the flags; raises ConfigError for unusable values."""
+    try:
+        overrides = {}
+        for item in settings.capacity_overrides:
+            device_id, sep, shares = item.rpartition("=")
+            if not sep or not device_id:
+                raise ValueError(f"--capacity.override expects DEVICE_ID=SHARES, got {item!r}")
+            overrides[device_id] = Decimal(shares)
+        hami = ()
+        if settings.mig_geometries_file is not None:
+            hami = tuple(parse_hami_geometries(settings.mig_geometries_file.read_text()))
+        return HeadroomParams(
+            capacity=CapacityConfig(
+                unit_mem_bytes=settings.capacity_unit_mem, unit_proc=settings.capacity_unit_proc,
+                quantum=settings.capacity_quantum, agents=settings.capacity_agents, overrides=overrides,
+            ),
+            mode=settings.headroom_mode,
+            rule=NoFragRule(settings.headroom_nofrag_rule),
+            requests=tuple(PlacementRequest.parse(r) for r in settings.headroom_requests) or DEFAULT_REQUESTS,
+            exclude_stale=settings.headroom_exclude_stale,
+            hami=hami,
+        )
+    except (ValueError, ArithmeticError, OSError) as exc:
+        raise ConfigError(str(exc).replace("\n", " ")) from None
+
+
+class Exporter:
+    """One exporter: call :meth:`start`, serve :meth:`handle`, then :meth:`close`.
+
+    :param telemetry: a ready telemetry source (tests pass a fake); by default one is opened
+        from ``--telemetry.source`` at :meth:`start`.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        clock: Callable[[], float] = time.time,
+        telemetry: TelemetrySource | None = None,
+    ) -> None:
         self.settings = settings
         self.clock = clock
+        self.params = headroom_params(settings)
+        self._source = telemetry
+        self.sampler: TelemetrySampler | None = None
+        self._tracker = AttributionTracker(
+            ProcFS(str(settings.path_procfs)), idle_threshold_ratio=settings.attribution_idle_threshold_ratio
+        )
+        self.analysis = Analysis()
+        self._stop = threading.Event()
+        self._analyser: threading.Thread | None = None
+        self._scrape: _Scrape | None = None
         self.book = AllocationBook(clock)
         self.scanner = Scanner(self.book, settings.scratch_max_file_bytes)
         self.watcher = ScratchWatcher(
@@ -63,16 +155,64 @@ class Exporter:
             "/-/ready": self._ready_route,
             "/api/v1/alloc-map": self._alloc_map,
             "/api/v1/state": self._state,
+            "/api/v1/simulate": self._simulate,
         }
 
     # -- lifecycle -----------------------------------------------------------------------------
 
     def start(self) -> None:
-        self.watcher.start()  # returns after the first full scan
+        source = self._source or open_source(
+            self.settings.telemetry_source, mock_file=self.settings.telemetry_mock_file, pcie=self.settings.telemetry_pcie
+        )
+        self.sampler = TelemetrySampler(source, self.settings.telemetry_interval, self.settings.telemetry_timeout, self.clock)
+        try:
+            self.watcher.start()  # returns after the first full scan
+        except BaseException:
+            self.sampler.close()
+            raise
+        self._analyse()
+        self._analyser = threading.Thread(target=self._analysis_loop, name="analysis", daemon=True)
+        self._analyser.start()
         self._ready.set()
 
     def close(self) -> None:
+        self._stop.set()
+        if self.sampler is not None:
+            self.sampler.close()  # also wakes the analysis thread
+        if self._analyser is not None:
+            self._analyser.join()
         self.watcher.close()
+
+    # -- analysis: stale kernels and process attribution, off the scrape path --------------------
+
+    def _analysis_loop(self) -> None:
+        seen = self.sampler.version
+        while not self._stop.is_set():
+            self.sampler.wait_for_version(seen, self.settings.telemetry_interval)
+            if self._stop.is_set():
+                return
+            seen = self.sampler.version
+            self._analyse()
+
+    def _analyse(self) -> None:
+        view, snapshot = self.book.view(), self.sampler.latest()
+        try:
+            cgroups = scan_cgroups(self.settings.path_cgroupfs)
+            liveness = classify_kernels(view.kernels, cgroups, self.clock(), self.settings.stale_grace)
+        except Exception:
+            log.exception("stale-kernel check failed")
+            cgroups, liveness = None, {}
+        try:
+            attribution = self._tracker.update(snapshot, view.kernels.values(), self._resolver(view, snapshot))
+        except Exception:
+            log.exception("process attribution failed")
+            attribution = None
+        self.analysis = Analysis(self.analysis.version + 1, cgroups, liveness, attribution)
+
+    def _resolver(self, view: AllocationView, snapshot: TelemetrySnapshot) -> DeviceResolver:
+        # Only GPU slots decide the id scheme: CPU core ids ("0", "1") would look like ordinals.
+        gpu_ids = {d for d, slot in view.device_totals if slot.startswith("cuda.")}
+        return DeviceResolver(snapshot, gpu_ids, self.settings.device_id_scheme)
 
     @property
     def ready(self) -> bool:
@@ -81,20 +221,41 @@ class Exporter:
     # -- metrics -------------------------------------------------------------------------------
 
     def _sources(self) -> list[tuple[str, Callable[[], Iterable[Metric]]]]:
+        s = self.settings
+
+        def scrape() -> _Scrape:
+            assert self._scrape is not None  # set by render()
+            return self._scrape
+
         return [
-            ("build", lambda: [build_info(self.settings.agent_id)]),
-            ("scratch", lambda: allocation_families(self.book.view()) + watcher_families(self.watcher.status())),
+            ("build", lambda: [build_info(s.agent_id)]),
+            ("scratch", lambda: allocation_families(scrape().view) + watcher_families(self.watcher.status())),
+            ("telemetry", lambda: telemetry_families(scrape().snapshot, scrape().resolver)
+                + unknown_device_families(scrape().view, scrape().snapshot, scrape().resolver)),
+            ("headroom", lambda: headroom_families(
+                scrape().view, scrape().snapshot, scrape().resolver, self.params, scrape().analysis.liveness,
+                scrape().analysis.cgroups.visible if scrape().analysis.cgroups else None)),
+            ("attribution", lambda: attribution_families(scrape().analysis.attribution, process_detail=s.attribution_process_detail)),
         ]
 
-    def _state_token(self) -> Any:
-        """Everything the exposition depends on; equal tokens mean identical output."""
-        return (self.book.version, self.watcher.status())
+    def _take_scrape(self) -> _Scrape:
+        view = self.book.view()
+        snapshot = self.sampler.latest() if self.sampler else TelemetrySnapshot(source="none")
+        return _Scrape(view, snapshot, self._resolver(view, snapshot), self.analysis)
+
+    def node_state(self) -> NodeState:
+        """Devices with capacity and allocation now: what ``simulate`` places requests on."""
+        sc = self._take_scrape()
+        return live_state(sc.view, sc.snapshot, sc.resolver, self.params, sc.analysis.liveness)
 
     def render(self, gzipped: bool = False) -> bytes:
         """The current exposition, rendered at most once per state change."""
         with self._render_lock:
-            token = self._state_token()
+            # Everything the exposition depends on; equal tokens mean identical output.
+            token = (self.book.version, self.watcher.status(), self.sampler.version if self.sampler else 0,
+                     self.analysis.version)
             if self._rendered is None or self._rendered[0] != token:
+                self._scrape = self._take_scrape()
                 self._rendered = (token, generate_latest(self.registry), None)
             token, plain, packed = self._rendered
             if not gzipped:
@@ -140,11 +301,24 @@ class Exporter:
         return _json(dict(self.book.view().alloc_map))
 
     def _state(self, _: Request) -> Response:
-        return _json(state_document(self.book.view(), [str(r) for r in self.settings.scratch_roots]))
+        return _json(state_document(self.book.view(), [str(r) for r in self.settings.scratch_roots], self.node_state()))
+
+    def _simulate(self, request: Request) -> Response:
+        want = request.query.get("request", [""])[0]
+        policy = request.query.get("policy", ["evenly"])[0]
+        try:
+            result = simulate(self.node_state(), want, policy)
+        except ValueError as exc:
+            return Response(400, f"{exc}\n".encode())
+        return _json(result_document(result))
 
 
-def state_document(view: AllocationView, roots: list[str]) -> dict[str, Any]:
-    """The ``/api/v1/state`` document (schema in docs/api.md). Amounts are decimal strings, exact."""
+def state_document(view: AllocationView, roots: list[str], node: NodeState | None = None) -> dict[str, Any]:
+    """The ``/api/v1/state`` document (schema in the README). Amounts are decimal strings, exact.
+
+    ``node_state`` (devices with capacity, allocation and stale amounts) is what
+    ``gpu-alloc-exporter simulate --state FILE`` reads back.
+    """
     devices: dict[str, dict[str, str]] = {}
     for (device_id, slot), amount in sorted(view.device_totals.items()):
         devices.setdefault(device_id, {})[slot] = str(amount)
@@ -156,6 +330,7 @@ def state_document(view: AllocationView, roots: list[str]) -> dict[str, Any]:
         "devices": devices,
         "node": {slot: str(v) for slot, v in sorted(view.node_totals.items())},
         "kernel_states": {s.value: n for s, n in view.state_counts.items()},
+        "node_state": node.to_json() if node is not None else None,
         "kernels": [
             {
                 "kernel_id": k.kernel_id,

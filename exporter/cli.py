@@ -30,6 +30,7 @@ COMMANDS = {
     "serve": "watch the scratch roots and serve metrics (the default)",
     "demo": "build a realistic sample scratch root and serve it",
     "scan": "print the current allocation once and exit",
+    "simulate": "show where a request would be placed (live scratch roots or a saved /api/v1/state)",
 }
 
 
@@ -56,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
             return _scan(settings, extra["cmd_output"])
         if command == "demo":
             return _demo(settings, extra["cmd_dir"])
+        if command == "simulate":
+            return _simulate(settings, extra["cmd_request"], extra["cmd_policy"], extra["cmd_state"], extra["cmd_output"])
         return serve(settings, allow_missing_root=extra["cmd_allow_missing_root"])
     except ConfigError as exc:
         print(f"gpu-alloc-exporter: {exc}", file=sys.stderr)
@@ -83,16 +86,26 @@ def build_parser(command: str) -> argparse.ArgumentParser:
         kwargs: dict[str, Any] = {"dest": name, "help": help_text}
         if field.annotation is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
-        elif extra.get("repeat"):
-            kwargs.update(action="append", metavar="PATH")
         else:
-            kwargs["metavar"] = name.rsplit("_", 1)[-1].upper()
+            kwargs["metavar"] = name.rsplit("_", 1)[-1].upper().rstrip("S")
+            if extra.get("repeat"):
+                kwargs["action"] = "append"
         parser.add_argument(extra["flag"], **kwargs)
     if command == "serve":
         parser.add_argument("--scratch.allow-missing-root", dest="cmd_allow_missing_root", action="store_true",
                             default=False, help="start even if a scratch root does not exist yet (it is picked up when it appears)")
-    if command == "scan":
+    if command in ("scan", "simulate"):
         parser.add_argument("--output", dest="cmd_output", choices=["table", "json"], default="table")
+    if command == "simulate":
+        from exporter.placement import Policy
+
+        parser.add_argument("--request", dest="cmd_request", required=True, metavar="SLOT=AMOUNT",
+                            help="e.g. cuda.shares=1.5, cuda.device=2 or cuda.device:1g.10gb-mig=1")
+        parser.add_argument("--policy", dest="cmd_policy", default="evenly", choices=[p.value for p in Policy],
+                            help="evenly (Backend.AI), evenly-nofrag, simple/besteffort (go-gpuallocator), "
+                            "compact-first/low-load-first (tensor-fusion)")
+        parser.add_argument("--state", dest="cmd_state", metavar="FILE", default=None,
+                            help="a saved /api/v1/state JSON instead of the live scratch roots and devices")
     if command == "demo":
         parser.add_argument("--demo.dir", dest="cmd_dir", metavar="PATH", default=None,
                             help="where to build the sample scratch root (default: a new temporary directory)")
@@ -189,6 +202,36 @@ def _scan(settings: Settings, output: str) -> int:
     return 0
 
 
+def _simulate(settings: Settings, request: str, policy: str, state_file: str | None, output: str) -> int:
+    """Exit 0 when the request would be placed, 1 when it would be rejected, 2 on bad input."""
+    from exporter import simulate as sim
+
+    try:
+        if state_file:
+            state = sim.load_state(state_file)
+        else:
+            state = _live_node_state(settings)
+        result = sim.simulate(state, request, policy)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(str(exc)) from None
+    print(json.dumps(sim.result_document(result), indent=1) if output == "json" else sim.format_table(result))
+    return 0 if result.placed else 1
+
+
+def _live_node_state(settings: Settings):
+    """One scan plus one telemetry sample, as the server would see them."""
+    from exporter.app import Exporter
+
+    _check_roots(settings, allow_missing=False)
+    exporter = Exporter(settings)
+    exporter.start()
+    try:
+        exporter.sampler.wait_for_version(0, settings.telemetry_timeout * 2)
+        return exporter.node_state()
+    finally:
+        exporter.close()
+
+
 def format_table(view) -> str:
     """Human-readable allocation: devices first, then kernels that are not ok."""
     from exporter.allocation import KernelState
@@ -211,15 +254,20 @@ def format_table(view) -> str:
 
 def _demo(settings: Settings, directory: str | None) -> int:
     from exporter.demo import build_demo_tree
+    from exporter.mock_source import DEMO_DEVICES_FILE
 
-    root = Path(directory) if directory else Path(tempfile.mkdtemp(prefix="gpu-alloc-demo-"))
-    build_demo_tree(root)
-    settings = settings.model_copy(update={"scratch_roots": [root]})
+    base = Path(directory) if directory else Path(tempfile.mkdtemp(prefix="gpu-alloc-demo-"))
+    root, cgroups = base / "scratches", base / "cgroup"
+    build_demo_tree(root, cgroups)
+    update: dict[str, Any] = {"scratch_roots": [root], "path_cgroupfs": cgroups, "stale_grace": 60.0}
+    if settings.telemetry_mock_file is None:  # the demo's own devices, unless the user brings some
+        update.update(telemetry_source="mock", telemetry_mock_file=DEMO_DEVICES_FILE)
+    settings = settings.model_copy(update=update)
 
     def announce(exporter, server) -> None:
         host, _ = parse_listen_address(settings.web_listen_address)
         base = f"http://{host if host not in ('', '0.0.0.0', '::') else '127.0.0.1'}:{server.port}"
-        print(f"gpu-alloc-exporter demo: sample scratch root at {root}", flush=True)
+        print(f"gpu-alloc-exporter demo: sample scratch root at {root}, mock devices from {settings.telemetry_mock_file}", flush=True)
         for path in ("/metrics", "/api/v1/alloc-map", "/api/v1/state", "/-/ready"):
             print(f"  {base}{path}", flush=True)
         print("Press Ctrl-C to stop.", flush=True)

@@ -18,11 +18,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from exporter import __version__
-from exporter.allocation import FGPU_SLOTS, AllocationView, KernelState, is_accelerator_slot
+from exporter.allocation import AllocationView, KernelState, is_accelerator_slot
+from exporter.devices import DeviceResolver
 from exporter.resources import SlotKind, slot_kind
+from exporter.telemetry import TelemetrySnapshot
 from exporter.watcher import WatcherStatus
 
-__all__ = ["ExporterCollector", "allocation_families", "build_info", "watcher_families"]
+__all__ = ["ExporterCollector", "allocation_families", "build_info", "unknown_device_families", "watcher_families"]
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +64,19 @@ def allocation_families(view: AllocationView) -> list[Metric]:
     errors = CounterMetricFamily("gpu_alloc_resource_parse_errors", "Reads of resource.txt that found a malformed file")
     errors.add_metric([], view.parse_errors_total)
     return [dev_count, dev_bytes, fgpu, k_count, k_bytes, k_info, node_count, node_bytes, states, errors]
+
+
+def unknown_device_families(view: AllocationView, snapshot: TelemetrySnapshot, resolver: DeviceResolver) -> list[Metric]:
+    """GPU allocations on device ids that match no device in the telemetry inventory: a removed
+    GPU, a wrong ``--device.id-scheme``, or a broken file. Never dropped silently; without an
+    inventory (telemetry off or failing) nothing can be judged, so nothing is reported."""
+    if not snapshot.devices:
+        return []
+    fam = _g("gpu_alloc_device_unknown_allocated", "Amount of a GPU slot allocated on a device id that matches no device in the telemetry inventory", ["device_id", "slot"])
+    for (device_id, slot), amount in sorted(view.device_totals.items()):
+        if slot.startswith("cuda.") and resolver.resolve(device_id) is None:
+            fam.add_metric([device_id, slot], float(amount))
+    return [fam]
 
 
 def watcher_families(status: WatcherStatus) -> list[Metric]:

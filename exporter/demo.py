@@ -71,8 +71,12 @@ def _bytes(size: str) -> int:
     return parse_binary_size(size)
 
 
-def build_demo_tree(root: Path) -> list[str]:
-    """Populate ``root`` with fGPU, whole-GPU, MIG, CPU-only and pending kernels. Returns kernel ids."""
+def build_demo_tree(root: Path, cgroup_root: Path | None = None) -> list[str]:
+    """Populate ``root`` with fGPU, whole-GPU, MIG, CPU-only and pending kernels. Returns kernel ids.
+
+    With ``cgroup_root``, also write a cgroup v2 tree in which every kernel's container runs
+    except one, whose scratch directory is therefore stale (its container was removed out of band).
+    """
     root.mkdir(parents=True, exist_ok=True)
     gpus, migs = demo_devices()
     ids = iter(str(uuid.UUID(int=0x5EED0000_0000_4000_8000_000000000000 + i)) for i in range(1000))
@@ -90,16 +94,27 @@ def build_demo_tree(root: Path) -> list[str]:
         add({"cuda.shares": {fgpu[i % len(fgpu)]: Decimal(amount)}}, cpus=4, mem="16g")
     # One large request split evenly over two devices, as the EVENLY allocator does.
     add({"cuda.shares": {fgpu[0]: Decimal("3.00"), fgpu[1]: Decimal("3.00")}}, cpus=8, mem="64g")
-    # A whole-GPU kernel on the last non-MIG GPU.
-    add({"cuda.device": {gpus[-1]: Decimal(1)}}, cpus=16, mem="128g")
+    # A whole-GPU kernel on the last non-MIG GPU: on a fractional node that is every share of it
+    # (13.5 for an 80 GB, 108-SM device at the default unit_mem 2 GiB and unit_proc 8).
+    add({"cuda.shares": {gpus[-1]: Decimal("13.50")}}, cpus=16, mem="128g")
     # MIG slices: every other instance taken.
     for mig_id, slot in migs[::2]:
         add({slot: {mig_id: Decimal(1)}}, cpus=2, mem="8g")
     # CPU-only kernels.
     add({}, cpus=8, mem="32g")
     add({}, cpus=2, mem="4g")
+    # A kernel whose container is gone: its directory stays behind (the agent never sweeps).
+    add({"cuda.shares": {fgpu[-1]: Decimal("0.5")}}, cpus=2, mem="8g")
+    stale_cid = f"{len(kernels):02x}" * 32
     # A kernel the agent is still writing.
     kid = next(ids)
     write_kernel(root, kid, {"cuda.shares": {fgpu[-1]: Decimal("1")}}, complete=False)
     kernels.append(kid)
+    if cgroup_root is not None:
+        (cgroup_root / "system.slice").mkdir(parents=True, exist_ok=True)
+        (cgroup_root / "cgroup.controllers").write_text("cpu memory pids\n")
+        for i in range(1, len(kernels)):
+            container = f"{i:02x}" * 32
+            if container != stale_cid:
+                (cgroup_root / "system.slice" / f"docker-{container}.scope").mkdir(exist_ok=True)
     return kernels

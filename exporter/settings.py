@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import tomllib
+from decimal import Decimal
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -95,6 +96,66 @@ class Settings(BaseSettings):
         default="auto", description="how device_id labels are spelled; auto follows the ids in resource.txt",
         json_schema_extra=_flag("--device.id-scheme"),
     )
+    path_procfs: Path = Field(
+        default=Path("/proc"), description="host /proc for process attribution (a sidecar needs hostPID or the host's /proc mounted)",
+        json_schema_extra=_flag("--path.procfs"),
+    )
+    path_cgroupfs: Path = Field(
+        default=Path("/sys/fs/cgroup"), description="host cgroup tree, to tell live kernels from stale scratch directories",
+        json_schema_extra=_flag("--path.cgroupfs"),
+    )
+    attribution_process_detail: bool = Field(
+        default=False, description="add per-process series with a pid label (raises cardinality)",
+        json_schema_extra=_flag("--attribution.process-detail"),
+    )
+    attribution_idle_threshold_ratio: float = Field(
+        default=0.05, ge=0, le=1, description="utilisation (0-1) below which an allocated device counts as idle",
+        json_schema_extra=_flag("--attribution.idle-threshold-ratio"),
+    )
+    capacity_unit_mem: int = Field(
+        default=2 << 30, gt=0, description="bytes of device memory per fGPU share (the plugin's unit_mem)",
+        json_schema_extra=_flag("--capacity.unit-mem"),
+    )
+    capacity_unit_proc: int = Field(
+        default=8, gt=0, description="SMs per fGPU share (the plugin's unit_proc)",
+        json_schema_extra=_flag("--capacity.unit-proc"),
+    )
+    capacity_quantum: Decimal = Field(
+        default=Decimal("0.01"), gt=0, description="allocation quantum in shares (the plugin's quantum_size)",
+        json_schema_extra=_flag("--capacity.quantum"),
+    )
+    capacity_agents: int = Field(
+        default=1, gt=0, description="agents splitting each device in multi-agent auto-split mode",
+        json_schema_extra=_flag("--capacity.agents"),
+    )
+    capacity_overrides: Annotated[list[str], NoDecode] = Field(
+        default=[], description="DEVICE_ID=SHARES capacity override; repeatable",
+        json_schema_extra=_flag("--capacity.override", repeat=True),
+    )
+    headroom_mode: Literal["auto", "fractional", "discrete"] = Field(
+        default="auto", description="whether whole GPUs are handed out as cuda.shares or cuda.device",
+        json_schema_extra=_flag("--headroom.mode"),
+    )
+    headroom_nofrag_rule: Literal["26.4", "before-26.4"] = Field(
+        default="26.4", description="the agent's fragmentation guard for the 'disallowed' figures",
+        json_schema_extra=_flag("--headroom.nofrag-rule"),
+    )
+    headroom_requests: Annotated[list[str], NoDecode] = Field(
+        default=[], description="reference request SLOT=AMOUNT for gpu_alloc_request_fits; repeatable (default: shares 0.5,1,2,4 and 1,2,4 GPUs)",
+        json_schema_extra=_flag("--headroom.request", repeat=True),
+    )
+    headroom_exclude_stale: bool = Field(
+        default=True, description="leave stale kernels out of allocated and headroom figures",
+        json_schema_extra=_flag("--headroom.exclude-stale"),
+    )
+    stale_grace: float = Field(
+        default=300.0, ge=0, description="seconds before a kernel without a live container or complete file counts as stale",
+        json_schema_extra=_flag("--stale.grace"),
+    )
+    mig_geometries_file: Path | None = Field(
+        default=None, description="HAMi device-config YAML with knownMigGeometries",
+        json_schema_extra=_flag("--mig.geometries-file"),
+    )
     agent_id: str | None = Field(
         default=None, description="Backend.AI agent id, exported on gpu_alloc_build_info for joins",
         json_schema_extra=_flag("--agent.id"),
@@ -106,10 +167,10 @@ class Settings(BaseSettings):
         default="logfmt", description="log line format", json_schema_extra=_flag("--log.format"),
     )
 
-    @field_validator("scratch_roots", mode="before")
+    @field_validator("scratch_roots", "capacity_overrides", "headroom_requests", mode="before")
     @classmethod
-    def _split_roots(cls, value: Any) -> Any:
-        # GPU_ALLOC_EXPORTER_SCRATCH_ROOTS: a JSON list or a comma-separated list.
+    def _split_list(cls, value: Any) -> Any:
+        # From the environment: a JSON list or a comma-separated list.
         if isinstance(value, str):
             return json.loads(value) if value.startswith("[") else [v for v in value.split(",") if v]
         return value

@@ -201,5 +201,41 @@ def test_demo_builds_a_realistic_tree_and_serves_it(tmp_path: Path) -> None:
     states = state["kernel_states"]
     assert states["ok"] >= 10 and states["pending"] == 1
     slots = {a["slot"] for k in state["kernels"] for a in k["allocations"]}
-    assert {"cuda.shares", "cuda.device", "cpu", "mem"} <= slots and any(s.endswith("-mig") for s in slots)
+    assert {"cuda.shares", "cpu", "mem"} <= slots and any(s.endswith("-mig") for s in slots)
+    assert any(a["amount"] == "13.50" for k in state["kernels"] for a in k["allocations"])  # a whole GPU
     assert any(not [a for a in k["allocations"] if "." in a["slot"]] and k["state"] == "ok" for k in state["kernels"])
+
+
+def test_simulate_on_a_saved_state_reproduces_the_evenly_allocator(tmp_path: Path, capsys) -> None:
+    state = {"node_state": {"quantum": "0.01", "nofrag_rule": "26.4", "slots": {"cuda.shares": [
+        {"device_id": "GPU-a", "capacity": "1", "allocated": "0"},
+        {"device_id": "GPU-b", "capacity": "1", "allocated": "0"}]}}}
+    path = tmp_path / "state.json"
+    path.write_text(json.dumps(state))
+    assert main(["simulate", "--state", str(path), "--request", "cuda.shares=1.2", "--output", "json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["placement"] == {"GPU-a": "0.60", "GPU-b": "0.60"}
+    assert main(["simulate", "--state", str(path), "--request", "cuda.shares=2.5"]) == 1
+    assert "rejected" in capsys.readouterr().out
+    assert main(["simulate", "--state", str(path), "--request", "nonsense"]) == 2
+
+
+def test_simulate_live_and_over_http(tmp_path: Path, capsys) -> None:
+    from exporter.demo import build_demo_tree
+    from exporter.mock_source import DEMO_DEVICES_FILE
+
+    build_demo_tree(tmp_path / "s")
+    argv = ["--scratch.root", str(tmp_path / "s"), "--telemetry.source", "mock", "--telemetry.mock-file", str(DEMO_DEVICES_FILE)]
+    assert main(["simulate", *argv, "--request", "cuda.shares=2", "--output", "json"]) == 0
+    live = json.loads(capsys.readouterr().out)
+    ex = Running(*argv, "--web.listen-address", "127.0.0.1:0")
+    try:
+        status, body, _ = ex.get("/api/v1/simulate?request=cuda.shares=2")
+        assert status == 200 and json.loads(body)["placement"] == live["placement"]
+        assert ex.get("/api/v1/simulate?request=bogus")[0] == 400
+        saved = tmp_path / "saved.json"
+        saved.write_bytes(ex.get("/api/v1/state")[1])
+    finally:
+        assert ex.stop() == 0
+    assert main(["simulate", "--state", str(saved), "--request", "cuda.shares=2", "--output", "json"]) == 0
+    assert json.loads(capsys.readouterr().out)["placement"] == live["placement"]

@@ -1,0 +1,145 @@
+"""Capacity of each accelerator device, per slot, as the Backend.AI agent registers it.
+
+Pure functions, no I/O. Amounts are ``Decimal`` in the slot's own unit:
+
+* ``<plugin>.device`` (whole devices, ``cuda_open`` and discrete mode): 1 per device;
+* MIG slots (``cuda.device:1g.10gb-mig``, docs spelling ``cuda.mig-1g.10gb``): 1 per MIG device,
+  the slot type is ``UNIQUE``;
+* ``<plugin>.shares`` (fractional GPU): ``min(memory / unit_mem, SMs / unit_proc)`` rounded down
+  to 0.01, the rule of the fractional CUDA plugin (mock ``plugin.py`` ``_get_share_raw``). A
+  40 GiB, 108-SM A100 holds ``min(20, 13.5)`` = 13.5 shares with the defaults.
+
+The exporter cannot read ``unit_mem``/``unit_proc``/``quantum_size`` from the scratch tree (they
+live in etcd under ``config/plugins/accelerator/cuda/``), so they are configuration here, with the
+plugin's defaults; a per-device override covers anything else.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from decimal import ROUND_DOWN, Decimal
+
+__all__ = [
+    "CAPACITY_PRECISION",
+    "DEFAULT_QUANTUM",
+    "DEFAULT_UNIT_MEM_BYTES",
+    "DEFAULT_UNIT_PROC",
+    "CapacityConfig",
+    "GpuInventory",
+    "device_capacity",
+    "fractional_capacity",
+    "is_device_slot",
+    "is_fractional_slot",
+    "is_mig_slot",
+    "mig_profile_of_slot",
+]
+
+DEFAULT_UNIT_MEM_BYTES = 2 * 1024**3  # mock plugin default ``unit_mem`` (2 GiB)
+DEFAULT_UNIT_PROC = 8  # mock plugin default ``unit_proc`` (SMs per share)
+DEFAULT_QUANTUM = Decimal("0.01")  # FractionAllocMap's default ``quantum_size`` (the mock uses 0.1)
+CAPACITY_PRECISION = Decimal("0.01")  # the plugin quantizes a device's shares down to this
+
+# Both spellings of a MIG slot: the code's ``cuda.device:<profile>-mig`` and the docs'
+# ``cuda.mig-<profile>`` (backendai-scratch.md §7).
+_MIG_SLOT = re.compile(r"^[a-z0-9_-]+\.(?:device:(?P<a>.+)-mig|mig-(?P<b>.+))$")
+
+
+def is_mig_slot(slot: str) -> bool:
+    """Whether ``slot`` names one MIG profile (each MIG device is its own device of capacity 1)."""
+    return _MIG_SLOT.match(slot) is not None
+
+
+def mig_profile_of_slot(slot: str) -> str | None:
+    """The MIG profile a MIG slot names (``cuda.device:1g.10gb-mig`` → ``1g.10gb``), else None."""
+    m = _MIG_SLOT.match(slot)
+    return (m.group("a") or m.group("b")) if m else None
+
+
+def is_fractional_slot(slot: str) -> bool:
+    """``<plugin>.shares``: amounts are fractions of a device, capacity from memory and SMs."""
+    return slot.endswith(".shares") and slot.count(".") == 1
+
+
+def is_device_slot(slot: str) -> bool:
+    """``<plugin>.device``: whole devices, capacity 1 each."""
+    return slot.endswith(".device") and slot.count(".") == 1
+
+
+@dataclass(frozen=True, slots=True)
+class GpuInventory:
+    """What the exporter knows about one physical accelerator, keyed by the agent's device id.
+
+    :param device_id: the id the agent writes in ``resource.txt`` (``GPU-<uuid>``, a CUDA ordinal,
+        a mock ``mother_uuid``).
+    :param memory_total_bytes: total device memory in bytes (NVML ``memory.total``), or None.
+    :param multiprocessor_count: number of SMs, or None when unknown.
+    """
+
+    device_id: str
+    memory_total_bytes: int | None = None
+    multiprocessor_count: int | None = None
+
+
+@dataclass(frozen=True)
+class CapacityConfig:
+    """How the fractional plugin turns a device into shares.
+
+    :param unit_mem_bytes: bytes of device memory per share (plugin ``unit_mem``, default 2 GiB).
+    :param unit_proc: SMs per share (plugin ``unit_proc``, default 8).
+    :param quantum: allocation quantum in shares (plugin ``quantum_size``, a multiple of 0.01);
+        used by headroom and placement, never by capacity itself.
+    :param agents: multi-agent ``auto-split`` mode divides a fractional capacity among this many
+        agents on the node (1 = one agent, or ``shared`` mode).
+    :param overrides: device id → capacity in shares, replacing the computed value (heterogeneous
+        nodes, a plugin with other rules).
+    """
+
+    unit_mem_bytes: int = DEFAULT_UNIT_MEM_BYTES
+    unit_proc: int = DEFAULT_UNIT_PROC
+    quantum: Decimal = DEFAULT_QUANTUM
+    agents: int = 1
+    overrides: Mapping[str, Decimal] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.unit_mem_bytes <= 0 or self.unit_proc <= 0 or self.agents <= 0:
+            raise ValueError("unit_mem_bytes, unit_proc and agents must be positive")
+        # The agent computes fractional amounts in hundredths, so a finer quantum means nothing.
+        if not self.quantum > 0 or self.quantum % CAPACITY_PRECISION:
+            raise ValueError("quantum must be a positive multiple of 0.01")
+
+
+def fractional_capacity(memory_total_bytes: int, multiprocessor_count: int, config: CapacityConfig) -> Decimal:
+    """Shares one device holds: ``min(memory / unit_mem, SMs / unit_proc)``, rounded down to 0.01.
+
+    The plugin divides in binary floating point before converting to ``Decimal``; doing the same
+    reproduces its number even where the exact quotient sits on a 0.01 boundary.
+    """
+    shares = min(memory_total_bytes / config.unit_mem_bytes, multiprocessor_count / config.unit_proc)
+    capacity = Decimal(shares).quantize(CAPACITY_PRECISION, rounding=ROUND_DOWN)
+    if config.agents > 1:
+        # auto-split hands each agent an equal part of every fractional device (inference from
+        # resources.py; the result keeps the plugin's 0.01 precision).
+        capacity = (capacity / config.agents).quantize(CAPACITY_PRECISION, rounding=ROUND_DOWN)
+    return capacity
+
+
+def device_capacity(
+    slot: str, device_id: str, inventory: GpuInventory | None, config: CapacityConfig
+) -> Decimal | None:
+    """Capacity of ``device_id`` for ``slot`` in the slot's unit, or None when it cannot be known.
+
+    Whole-device and MIG slots hold 1. A fractional slot takes the configured override, else the
+    plugin rule over the inventory; without memory and SM count it is unknown (None), never guessed.
+    Other slots (``cpu``, ``mem``) have no per-device capacity here.
+    """
+    if is_mig_slot(slot) or is_device_slot(slot):
+        return Decimal(1)
+    if not is_fractional_slot(slot):
+        return None
+    if device_id in config.overrides:
+        return Decimal(config.overrides[device_id])
+    if inventory is None or inventory.memory_total_bytes is None or inventory.multiprocessor_count is None:
+        return None
+    return fractional_capacity(inventory.memory_total_bytes, inventory.multiprocessor_count, config)

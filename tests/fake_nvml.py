@@ -1,0 +1,1006 @@
+"""A fake ``libnvidia-ml`` under the real ``pynvml`` binding (nvml-mig.md §5.3).
+
+:class:`FakeNvml` is a named, realistic machine; ``with fake.installed():`` puts a library object
+in ``pynvml.nvmlLib`` so that every ``pynvml`` function runs its real code (ctypes structs,
+version fields, two-call size probes, error classes) and ends in a C-level call answered here:
+``byref`` out-parameters are written through ``._obj``, handles are addresses, and a symbol the
+fake lacks raises ``AttributeError``, which the binding turns into ``NVMLError_FunctionNotFound``
+exactly as an older driver does.
+
+Presets: :meth:`FakeNvml.dgx_a100` (8× A100-SXM4-40GB, driver 550.54.15, GPUs 6 and 7 in MIG
+mode), :meth:`FakeNvml.h100_node` (8× H100 80GB HBM3, driver 570, GPU 0 in MIG mode) and
+:meth:`FakeNvml.v100_old_driver` (4× V100, driver 470: no v2/v3/V calls, retired pages).
+
+Faults: :meth:`lose` (GPU_IS_LOST), :meth:`set_unsupported` (per call or ``"*"``),
+:meth:`set_absent` (older driver), :meth:`hang` (blocks until released), :meth:`fail` (any code),
+``unprivileged`` (NO_PERMISSION on MIG geometry and parent aggregates), :meth:`unload_driver` /
+:meth:`load_driver`, ``driver_state = "rm_mismatch"``, :meth:`push_xid` (the event queue),
+:meth:`configure_mig` (runtime reconfiguration, legal placements only).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import threading
+import time
+import uuid as uuidlib
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import pynvml
+
+from exporter.mig_geometry import BUILTIN_TABLES, GpuInstance, creatable_instances
+
+GIB = 1024**3
+MIB = 1024**2
+SUCCESS = pynvml.NVML_SUCCESS
+UNINITIALIZED = pynvml.NVML_ERROR_UNINITIALIZED
+INVALID_ARGUMENT = pynvml.NVML_ERROR_INVALID_ARGUMENT
+NOT_SUPPORTED = pynvml.NVML_ERROR_NOT_SUPPORTED
+NO_PERMISSION = pynvml.NVML_ERROR_NO_PERMISSION
+NOT_FOUND = pynvml.NVML_ERROR_NOT_FOUND
+INSUFFICIENT_SIZE = pynvml.NVML_ERROR_INSUFFICIENT_SIZE
+DRIVER_NOT_LOADED = pynvml.NVML_ERROR_DRIVER_NOT_LOADED
+TIMEOUT = pynvml.NVML_ERROR_TIMEOUT
+GPU_IS_LOST = pynvml.NVML_ERROR_GPU_IS_LOST
+LIB_RM_VERSION_MISMATCH = pynvml.NVML_ERROR_LIB_RM_VERSION_MISMATCH
+ARGUMENT_VERSION_MISMATCH = pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH
+UNKNOWN = pynvml.NVML_ERROR_UNKNOWN
+NO_ID = 0xFFFFFFFF
+
+# Calls that still work on a GPU whose every metric is NOT_SUPPORTED.
+IDENTITY_CALLS = frozenset(
+    {
+        "nvmlDeviceGetHandleByIndex_v2",
+        "nvmlDeviceGetHandleByUUID",
+        "nvmlDeviceGetUUID",
+        "nvmlDeviceGetName",
+        "nvmlDeviceGetPciInfo_v3",
+        "nvmlDeviceGetIndex",
+        "nvmlDeviceGetMinorNumber",
+    }
+)
+# What a MIG device handle answers; anything else is NOT_SUPPORTED on it.
+MIG_HANDLE_CALLS = frozenset(
+    {
+        "nvmlDeviceGetUUID",
+        "nvmlDeviceGetName",
+        "nvmlDeviceGetIndex",
+        "nvmlDeviceGetMemoryInfo",
+        "nvmlDeviceGetMemoryInfo_v2",
+        "nvmlDeviceGetGpuInstanceId",
+        "nvmlDeviceGetComputeInstanceId",
+        "nvmlDeviceGetAttributes_v2",
+        "nvmlDeviceGetComputeRunningProcesses_v2",
+        "nvmlDeviceGetComputeRunningProcesses_v3",
+        "nvmlDeviceGetDeviceHandleFromMigDeviceHandle",
+        "nvmlDeviceIsMigDeviceHandle",
+    }
+)
+# Calls that need the mig/monitor capability (nvml.h: "Requires privileged user").
+GEOMETRY_CALLS = frozenset(
+    {
+        "nvmlDeviceGetGpuInstanceProfileInfo",
+        "nvmlDeviceGetGpuInstanceProfileInfoV",
+        "nvmlDeviceGetGpuInstances",
+        "nvmlDeviceGetGpuInstancePossiblePlacements_v2",
+        "nvmlDeviceGetGpuInstanceRemainingCapacity",
+        "nvmlGpuInstanceGetInfo",
+    }
+)
+# Symbols a driver of that branch lacks (nvml-mig.md §1: first binding/driver with each call).
+ABSENT_BEFORE_R570 = frozenset({"nvmlDeviceGetTemperatureV"})
+ABSENT_IN_R470 = ABSENT_BEFORE_R570 | {
+    "nvmlDeviceGetMemoryInfo_v2",
+    "nvmlDeviceGetComputeRunningProcesses_v3",
+    "nvmlDeviceGetCurrentClocksEventReasons",
+    "nvmlDeviceGetSupportedClocksEventReasons",
+    "nvmlDeviceGetNumaNodeId",
+}
+
+
+class _Return(Exception):
+    """Raised inside an implementation to answer with an NVML return code."""
+
+    def __init__(self, code: int) -> None:
+        self.code = code
+
+
+# What NVML reports of a GPU-instance profile beyond its geometry (exporter.mig_geometry):
+# the NVML_GPU_INSTANCE_PROFILE_* index by profile ID, and (MiB, SMs) as `nvidia-smi mig -lgip` lists them.
+_PROFILE_INDEX = {19: 0, 20: 7, 15: 9, 14: 1, 9: 2, 5: 3, 0: 4}
+_PROFILE_SIZES = {
+    "A100-40GB": {19: (4864, 14), 20: (4864, 14), 15: (9856, 14), 14: (9856, 28), 9: (19968, 42), 5: (19968, 56), 0: (40192, 98)},
+    "H100-80GB": {19: (9984, 16), 20: (9984, 16), 15: (20096, 26), 14: (20096, 32), 9: (40448, 60), 5: (40448, 64), 0: (81152, 132)},
+}
+
+
+@dataclass(frozen=True)
+class FakeProfile:
+    """A GPU-instance profile as NVML describes it (``nvmlDeviceGetGpuInstanceProfileInfoV``)."""
+
+    index: int
+    profile_id: int
+    name: str
+    slices: int  # compute slices
+    memory_slices: int
+    instance_count: int
+    starts: tuple[int, ...]
+    memory_mib: int
+    multiprocessors: int
+
+
+@functools.cache
+def mig_profiles(sku: str) -> tuple[FakeProfile, ...]:
+    sizes = _PROFILE_SIZES[sku]
+    return tuple(
+        FakeProfile(_PROFILE_INDEX[p.profile_id], p.profile_id, p.name, p.compute_slices, p.memory_slices,
+                    p.max_instances, p.starts, *sizes[p.profile_id])
+        for p in BUILTIN_TABLES[sku].profiles
+    )
+
+
+@dataclass
+class FakeCi:
+    ci_id: int
+    slices: int  # compute slices
+    mig_index: int
+    uuid: str
+    processes: list[tuple[int, int]] = field(default_factory=list)  # (pid, used bytes)
+
+
+@dataclass
+class FakeGi:
+    gi_id: int
+    spec: FakeProfile
+    start: int
+    memory_used: int
+    cis: list[FakeCi] = field(default_factory=list)
+
+
+@dataclass
+class FakeGpu:
+    index: int
+    uuid: str
+    name: str
+    pci_bus_id: str
+    pci_device_id: int
+    serial: str | None
+    numa_node: int
+    memory_total: int
+    memory_reserved: int
+    memory_used: int  # excluding reserved (v2 semantics)
+    util_gpu: int = 0  # %
+    util_memory: int = 0
+    temperature: int = 35  # °C
+    power_mw: int = 60_000
+    power_limit_mw: int = 400_000
+    energy_mj: int = 1_000_000  # at the fake's clock start
+    sm_clock: int = 1410  # MHz
+    mem_clock: int = 1215
+    fan: int | None = None  # %; None: passively cooled
+    pcie_rx_kbs: int = 1200
+    pcie_tx_kbs: int = 800
+    ecc_corrected: int = 0
+    ecc_uncorrected: int = 0
+    remapped_rows: tuple[int, int, int, int] | None = (0, 0, 0, 0)  # None: pre-Ampere
+    retired_pages: tuple[list[int], list[int]] | None = None  # (single-bit, double-bit); None: Ampere+
+    retired_pending: int = 0
+    clocks_event: int = 0x1
+    clocks_supported: int = 0x1FF
+    processes: list[tuple[int, int]] = field(default_factory=list)
+    process_sm: dict[int, int] = field(default_factory=dict)  # pid -> SM % of its latest sample
+    mig_sku: str | None = None  # a key of exporter.mig_geometry.BUILTIN_TABLES; None: not MIG-capable
+    mig_current: bool = False
+    mig_pending: bool = False
+    gis: list[FakeGi] = field(default_factory=list)
+    lost: bool = False
+    lost_handle_code: int = GPU_IS_LOST  # what GetHandleByIndex answers once lost
+    unsupported: set[str] = field(default_factory=set)
+    registered_events: int = 0
+
+    def cis(self) -> Iterator[tuple[FakeGi, FakeCi]]:
+        for gi in self.gis:
+            for ci in gi.cis:
+                yield gi, ci
+
+
+@dataclass
+class Fault:
+    """An injected error or hang on one call (on one GPU, or on all when ``index`` is None)."""
+
+    symbol: str
+    index: int | None
+    code: int | None  # None: hang until released, then answer normally
+    entered: threading.Event = field(default_factory=threading.Event)
+    released: threading.Event = field(default_factory=threading.Event)
+
+    def release(self) -> None:
+        self.released.set()
+
+
+_GPU_BASE, _GPU_STRIDE, _MIG_OFFSET, _GI_OFFSET = 0x10000, 0x1000, 0x100, 0x400
+_EVENT_SET = 0x900000
+
+
+def _val(arg: Any) -> Any:
+    return arg.value if hasattr(arg, "value") else arg
+
+
+def _addr(handle: Any) -> int | None:
+    return ctypes.cast(handle, ctypes.c_void_p).value
+
+
+def _write_handle(ref: Any, address: int) -> None:
+    ctypes.cast(ctypes.addressof(ref._obj), ctypes.POINTER(ctypes.c_void_p))[0] = address
+
+
+def _pointer(kind: Any, address: int) -> Any:
+    return ctypes.cast(ctypes.c_void_p(address), kind)
+
+
+class _FakeLib:
+    """What ``pynvml.nvmlLib`` holds: C symbols resolved by ``getattr``."""
+
+    def __init__(self, machine: FakeNvml) -> None:
+        self._machine = machine
+
+    def __getattr__(self, symbol: str) -> Callable[..., int]:
+        return self._machine._symbol(symbol)
+
+
+class FakeNvml:
+    """A machine with GPUs, answering NVML's C calls. Thread-safe; hangs block outside the lock."""
+
+    def __init__(
+        self,
+        gpus: list[FakeGpu],
+        *,
+        driver_version: str,
+        cuda_version: int,
+        absent: frozenset[str] = frozenset(),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.gpus = gpus
+        self.driver_version = driver_version
+        self.cuda_version = cuda_version
+        self.absent = set(absent)
+        self.driver_state = "ok"  # "ok", "not_loaded", "rm_mismatch"
+        self.unprivileged = False
+        self.max_event_wait_ms = 20  # clamps nvmlEventSetWait so tests stay fast
+        self.calls: Counter[str] = Counter()
+        self._clock = clock
+        self._epoch = clock()
+        self._refcount = 0
+        self._faults: list[Fault] = []
+        self._lock = threading.RLock()
+        self._events = threading.Condition()
+        self._event_queue: list[tuple[int, int]] = []  # (gpu index, xid)
+        self._mig_serial = 0
+
+    # -- presets ---------------------------------------------------------------------------
+
+    @classmethod
+    def dgx_a100(cls, clock: Callable[[], float] = time.monotonic) -> FakeNvml:
+        """8× A100-SXM4-40GB as in a DGX A100; GPU 6 MIG 3g.20gb@0 + 2g.10gb@4 + 1g.5gb@6,
+        GPU 7 MIG 7× 1g.5gb@0…6 (slice 7 stranded)."""
+        buses = ("07", "0F", "47", "4E", "87", "90", "B7", "BD")
+        numa = (3, 3, 1, 1, 7, 7, 5, 5)
+        gpus = []
+        for i in range(8):
+            busy = i in (0, 1, 2)
+            gpus.append(
+                FakeGpu(
+                    index=i,
+                    uuid=_uuid("dgx-a100", i),
+                    name="NVIDIA A100-SXM4-40GB",
+                    pci_bus_id=f"00000000:{buses[i]}:00.0",
+                    pci_device_id=0x20B010DE,
+                    serial=f"15639200{i:05d}",
+                    numa_node=numa[i],
+                    memory_total=40 * GIB,
+                    memory_reserved=512 * MIB,
+                    memory_used=(12 + 3 * i) * GIB if busy else 4 * MIB,
+                    util_gpu=(97, 64, 31)[i] if busy else 0,
+                    util_memory=(58, 40, 12)[i] if busy else 0,
+                    temperature=(61, 52, 44)[i] if busy else 31 + i,
+                    power_mw=(362_000, 251_000, 148_000)[i] if busy else 52_000 + 1000 * i,
+                    sm_clock=1410 if busy else 210,
+                    ecc_corrected=12 if i == 5 else 0,
+                    remapped_rows=(2, 0, 0, 0) if i == 3 else (0, 0, 0, 0),
+                    clocks_event=0x4 if i == 2 else (0x0 if busy else 0x1),
+                    processes={0: [(4101, 12 * GIB), (4102, 3 * GIB)], 1: [(5120, 15 * GIB)]}.get(i, []),
+                    process_sm={0: {4101: 61, 4102: 33}, 1: {5120: 64}}.get(i, {}),
+                    mig_sku="A100-40GB",
+                )
+            )
+        fake = cls(gpus, driver_version="550.54.15", cuda_version=12040, absent=ABSENT_BEFORE_R570, clock=clock)
+        fake.configure_mig(6, [("3g.20gb", 0), ("2g.10gb", 4), ("1g.5gb", 6)])
+        fake.configure_mig(7, [("1g.5gb", start) for start in range(7)])
+        fake.set_processes(6, [(6100, 8 * GIB)], mig_index=0)
+        return fake
+
+    @classmethod
+    def h100_node(cls, clock: Callable[[], float] = time.monotonic) -> FakeNvml:
+        """8× H100 80GB HBM3 as in a DGX H100, driver 570; GPU 0 MIG 1g.10gb@0, 1g.10gb@1,
+        2g.20gb@2, 3g.40gb@4."""
+        buses = ("18", "2A", "3A", "5D", "9A", "AB", "BA", "DB")
+        gpus = [
+            FakeGpu(
+                index=i,
+                uuid=_uuid("h100", i),
+                name="NVIDIA H100 80GB HBM3",
+                pci_bus_id=f"00000000:{buses[i]}:00.0",
+                pci_device_id=0x233010DE,
+                serial=f"16522230{i:05d}",
+                numa_node=i // 4,
+                memory_total=81559 * MIB,
+                memory_reserved=569 * MIB,
+                memory_used=(40 + i) * GIB if i % 2 else 2 * MIB,
+                util_gpu=88 if i % 2 else 0,
+                util_memory=51 if i % 2 else 0,
+                temperature=58 if i % 2 else 30,
+                power_mw=612_000 if i % 2 else 71_000,
+                power_limit_mw=700_000,
+                sm_clock=1980 if i % 2 else 345,
+                mem_clock=2619,
+                clocks_event=0x0 if i % 2 else 0x1,
+                processes=[(7000 + i, (40 + i) * GIB)] if i % 2 else [],
+                mig_sku="H100-80GB",
+            )
+            for i in range(8)
+        ]
+        fake = cls(gpus, driver_version="570.124.06", cuda_version=12080, clock=clock)
+        fake.configure_mig(0, [("1g.10gb", 0), ("1g.10gb", 1), ("2g.20gb", 2), ("3g.40gb", 4)])
+        return fake
+
+    @classmethod
+    def v100_old_driver(cls, clock: Callable[[], float] = time.monotonic) -> FakeNvml:
+        """4× Tesla V100-SXM2-32GB on driver 470: no MIG, no remapped rows, retired pages instead,
+        and none of the v2/v3/V calls newer drivers have."""
+        gpus = [
+            FakeGpu(
+                index=i,
+                uuid=_uuid("v100", i),
+                name="Tesla V100-SXM2-32GB",
+                pci_bus_id=f"00000000:{0x15 + i:02X}:00.0",
+                pci_device_id=0x1DB510DE,
+                serial=f"03231180{i:05d}",
+                numa_node=i // 2,
+                memory_total=32 * GIB,
+                memory_reserved=0,
+                memory_used=(9 * GIB if i == 0 else 300 * MIB),
+                util_gpu=71 if i == 0 else 0,
+                power_limit_mw=300_000,
+                sm_clock=1530,
+                mem_clock=877,
+                remapped_rows=None,
+                retired_pages=([0x1F000, 0x2A000], [0x3B000]) if i == 1 else ([], []),
+                retired_pending=1 if i == 1 else 0,
+                processes=[(3100, 9 * GIB)] if i == 0 else [],
+            )
+            for i in range(4)
+        ]
+        return cls(gpus, driver_version="470.82.01", cuda_version=11040, absent=ABSENT_IN_R470, clock=clock)
+
+    # -- installation and controls ---------------------------------------------------------
+
+    @contextmanager
+    def installed(self) -> Iterator[FakeNvml]:
+        """Make this machine the ``libnvidia-ml`` behind ``pynvml`` for the duration."""
+        saved = pynvml.nvmlLib
+        pynvml.nvmlLib = _FakeLib(self)
+        pynvml._nvmlGetFunctionPointer_cache.clear()
+        try:
+            yield self
+        finally:
+            for fault in self._faults:
+                fault.release()  # lets threads stuck in a hang finish
+            pynvml.nvmlLib = saved
+            pynvml._nvmlGetFunctionPointer_cache.clear()
+
+    def lose(self, index: int, handle_code: int = GPU_IS_LOST) -> None:
+        """GPU ``index`` falls off the bus: every call on it fails from now on."""
+        with self._lock:
+            self.gpus[index].lost = True
+            self.gpus[index].lost_handle_code = handle_code
+
+    def recover(self, index: int) -> None:
+        with self._lock:
+            self.gpus[index].lost = False
+
+    def set_unsupported(self, index: int, *symbols: str) -> None:
+        """Answer NOT_SUPPORTED for these C symbols on GPU ``index``; ``"*"``: every metric call."""
+        with self._lock:
+            self.gpus[index].unsupported.update(symbols)
+
+    def set_absent(self, *symbols: str) -> None:
+        """Remove symbols from the library (an older driver)."""
+        with self._lock:
+            self.absent.update(symbols)
+        pynvml._nvmlGetFunctionPointer_cache.clear()
+
+    def fail(self, symbol: str, code: int, index: int | None = None) -> Fault:
+        """Answer ``code`` for ``symbol`` (on GPU ``index``) until :meth:`clear_faults`."""
+        fault = Fault(symbol, index, code)
+        with self._lock:
+            self._faults.append(fault)
+        return fault
+
+    def hang(self, symbol: str, index: int | None = None) -> Fault:
+        """Block calls of ``symbol`` (on GPU ``index``) until ``fault.release()``."""
+        fault = Fault(symbol, index, None)
+        with self._lock:
+            self._faults.append(fault)
+        return fault
+
+    def clear_faults(self) -> None:
+        with self._lock:
+            for fault in self._faults:
+                fault.release()
+            self._faults.clear()
+
+    def unload_driver(self) -> None:
+        """The kernel module goes away: open sessions end, ``nvmlInit`` fails until reloaded."""
+        with self._lock:
+            self.driver_state = "not_loaded"
+            self._refcount = 0
+        with self._events:
+            self._events.notify_all()
+
+    def load_driver(self) -> None:
+        with self._lock:
+            self.driver_state = "ok"
+
+    def push_xid(self, index: int, xid: int) -> None:
+        """Queue an XID critical-error event from GPU ``index``."""
+        with self._events:
+            self._event_queue.append((index, xid))
+            self._events.notify_all()
+
+    def set_processes(self, index: int, processes: list[tuple[int, int]], mig_index: int | None = None) -> None:
+        with self._lock:
+            gpu = self.gpus[index]
+            if mig_index is None:
+                gpu.processes = list(processes)
+            else:
+                ci = next(ci for _, ci in gpu.cis() if ci.mig_index == mig_index)
+                ci.processes = list(processes)
+
+    def configure_mig(self, index: int, layout: list[tuple[str, int]]) -> None:
+        """Enable MIG on GPU ``index`` and replace its GPU instances by ``(profile, start)`` pairs,
+        each with one full-width compute instance. Rejects illegal or overlapping placements."""
+        with self._lock:
+            gpu = self.gpus[index]
+            assert gpu.mig_sku is not None, f"{gpu.name} is not MIG-capable"
+            specs = {spec.name: spec for spec in mig_profiles(gpu.mig_sku)}
+            gis: list[FakeGi] = []
+            occupied = 0
+            for gi_id, (profile, start) in enumerate(layout, start=1):
+                spec = specs[profile]
+                mask = ((1 << spec.memory_slices) - 1) << start
+                if start not in spec.starts or occupied & mask:
+                    raise ValueError(f"{profile} does not fit at {start}")
+                occupied |= mask
+                self._mig_serial += 1
+                ci = FakeCi(0, spec.slices, gi_id - 1, _uuid(f"mig/{gpu.uuid}/{self._mig_serial}", gi_id, "MIG-"))
+                gis.append(FakeGi(gi_id, spec, start, spec.memory_mib * MIB // 4, [ci]))
+            gpu.gis = gis
+            gpu.mig_current = gpu.mig_pending = True
+
+    def disable_mig(self, index: int) -> None:
+        with self._lock:
+            gpu = self.gpus[index]
+            gpu.gis = []
+            gpu.mig_current = gpu.mig_pending = False
+
+    # -- dispatch --------------------------------------------------------------------------
+
+    def _symbol(self, symbol: str) -> Callable[..., int]:
+        impl = getattr(self, f"_c_{symbol}", None)
+        if impl is None or symbol in self.absent:
+            raise AttributeError(symbol)
+
+        def call(*args: Any) -> Any:
+            return self._dispatch(symbol, impl, args)
+
+        call.__name__ = symbol
+        return call
+
+    def _dispatch(self, symbol: str, impl: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+        with self._lock:
+            self.calls[symbol] += 1
+            if symbol not in ("nvmlInitWithFlags", "nvmlErrorString") and self._refcount == 0:
+                return UNINITIALIZED
+            gpu, on_mig = self._target(symbol, args)
+            faults = [f for f in self._faults if f.symbol == symbol and (f.index is None or (gpu and gpu.index == f.index))]
+        for fault in faults:
+            if fault.code is not None:
+                return fault.code
+            fault.entered.set()
+            fault.released.wait()
+        try:
+            if symbol == "nvmlEventSetWait_v2":  # waits on its own condition, not the machine lock
+                return impl(*args) or SUCCESS
+            with self._lock:
+                if gpu is not None:
+                    if gpu.lost:
+                        return gpu.lost_handle_code if symbol == "nvmlDeviceGetHandleByIndex_v2" else GPU_IS_LOST
+                    if symbol in gpu.unsupported or ("*" in gpu.unsupported and symbol not in IDENTITY_CALLS):
+                        return NOT_SUPPORTED
+                    if on_mig and symbol not in MIG_HANDLE_CALLS:
+                        return NOT_SUPPORTED
+                    if self.unprivileged and symbol in GEOMETRY_CALLS:
+                        return NO_PERMISSION
+                return impl(*args) or SUCCESS
+        except _Return as answer:
+            return answer.code
+
+    def _target(self, symbol: str, args: tuple[Any, ...]) -> tuple[FakeGpu | None, bool]:
+        """The GPU a call is about, and whether it came through a MIG device handle."""
+        if symbol == "nvmlDeviceGetHandleByIndex_v2":
+            index = _val(args[0])
+            return (self.gpus[index] if index < len(self.gpus) else None), False
+        if symbol.startswith(("nvmlDevice", "nvmlGpuInstance")) and symbol not in (
+            "nvmlDeviceGetCount_v2",
+            "nvmlDeviceGetHandleByUUID",
+        ):
+            found = self._resolve(_addr(args[0]))
+            if found is not None:
+                return found[0], found[1] is not None and not symbol.startswith("nvmlGpuInstance")
+        return None, False
+
+    def _resolve(self, address: int | None) -> tuple[FakeGpu, FakeCi | None, FakeGi | None] | None:
+        if address is None or address < _GPU_BASE:
+            return None
+        index, offset = divmod(address - _GPU_BASE, _GPU_STRIDE)
+        if index >= len(self.gpus):
+            return None
+        gpu = self.gpus[index]
+        if offset == 0:
+            return gpu, None, None
+        for gi, ci in gpu.cis():
+            if offset == _MIG_OFFSET + ci.mig_index:
+                return gpu, ci, gi
+        for gi in gpu.gis:
+            if offset == _GI_OFFSET + gi.gi_id:
+                return gpu, None, gi
+        return None
+
+    def _device(self, handle: Any) -> tuple[FakeGpu, FakeCi | None, FakeGi | None]:
+        found = self._resolve(_addr(handle))
+        if found is None:
+            raise _Return(INVALID_ARGUMENT)
+        return found
+
+    @staticmethod
+    def _address(gpu: FakeGpu, ci: FakeCi | None = None) -> int:
+        return _GPU_BASE + gpu.index * _GPU_STRIDE + (_MIG_OFFSET + ci.mig_index if ci else 0)
+
+    def _gpu_only(self, handle: Any) -> FakeGpu:
+        gpu, ci, _ = self._device(handle)
+        if ci is not None:
+            raise _Return(NOT_SUPPORTED)
+        return gpu
+
+    def _aggregate_allowed(self, gpu: FakeGpu) -> None:
+        # A MIG-enabled parent's memory and processes are aggregates over every GPU instance.
+        if gpu.mig_current and self.unprivileged:
+            raise _Return(NO_PERMISSION)
+
+    # -- system ----------------------------------------------------------------------------
+
+    def _c_nvmlInitWithFlags(self, flags: Any) -> int:
+        if self.driver_state == "not_loaded":
+            return DRIVER_NOT_LOADED
+        if self.driver_state == "rm_mismatch":
+            return LIB_RM_VERSION_MISMATCH
+        self._refcount += 1
+        return SUCCESS
+
+    def _c_nvmlShutdown(self) -> int:
+        self._refcount -= 1
+        return SUCCESS
+
+    def _c_nvmlErrorString(self, code: Any) -> bytes:
+        return b"Unknown Error"  # the binding has its own strings for every code it raises here
+
+    def _c_nvmlSystemGetDriverVersion(self, buf: Any, size: Any) -> None:
+        buf.value = self.driver_version.encode()
+
+    def _c_nvmlSystemGetNVMLVersion(self, buf: Any, size: Any) -> None:
+        buf.value = f"{self.cuda_version // 1000}.{self.driver_version}".encode()
+
+    def _c_nvmlSystemGetCudaDriverVersion(self, ref: Any) -> None:
+        ref._obj.value = self.cuda_version
+
+    def _c_nvmlDeviceGetCount_v2(self, ref: Any) -> None:
+        ref._obj.value = len(self.gpus)
+
+    # -- identity --------------------------------------------------------------------------
+
+    def _c_nvmlDeviceGetHandleByIndex_v2(self, index: Any, ref: Any) -> int:
+        index = _val(index)
+        if index >= len(self.gpus):
+            return INVALID_ARGUMENT
+        _write_handle(ref, self._address(self.gpus[index]))
+        return SUCCESS
+
+    def _c_nvmlDeviceGetHandleByUUID(self, uuid: Any, ref: Any) -> int:
+        wanted = _val(uuid).decode()
+        for gpu in self.gpus:
+            if gpu.uuid == wanted:
+                _write_handle(ref, self._address(gpu))
+                return SUCCESS
+            for _, ci in gpu.cis():
+                if ci.uuid == wanted:
+                    _write_handle(ref, self._address(gpu, ci))
+                    return SUCCESS
+        return NOT_FOUND
+
+    def _c_nvmlDeviceGetUUID(self, handle: Any, buf: Any, size: Any) -> None:
+        gpu, ci, _ = self._device(handle)
+        buf.value = (ci.uuid if ci else gpu.uuid).encode()
+
+    def _c_nvmlDeviceGetName(self, handle: Any, buf: Any, size: Any) -> None:
+        gpu, ci, gi = self._device(handle)
+        if ci is None or gi is None:
+            buf.value = gpu.name.encode()
+        else:  # nvidia-smi's MIG device names: "<GPU> MIG 3g.20gb", or "1c.3g.20gb" for a partial CI
+            profile = gi.spec.name if ci.slices == gi.spec.slices else f"{ci.slices}c.{gi.spec.name}"
+            buf.value = f"{gpu.name} MIG {profile}".encode()
+
+    def _c_nvmlDeviceGetPciInfo_v3(self, handle: Any, ref: Any) -> None:
+        gpu = self._gpu_only(handle)
+        info = ref._obj
+        info.busId = gpu.pci_bus_id.encode()
+        info.busIdLegacy = gpu.pci_bus_id[4:].encode()
+        info.domain, info.bus = 0, int(gpu.pci_bus_id.split(":")[1], 16)
+        info.pciDeviceId = gpu.pci_device_id
+
+    def _c_nvmlDeviceGetSerial(self, handle: Any, buf: Any, size: Any) -> int:
+        gpu = self._gpu_only(handle)
+        if gpu.serial is None:
+            return NOT_SUPPORTED
+        buf.value = gpu.serial.encode()
+        return SUCCESS
+
+    def _c_nvmlDeviceGetIndex(self, handle: Any, ref: Any) -> None:
+        gpu, ci, _ = self._device(handle)
+        ref._obj.value = ci.mig_index if ci else gpu.index
+
+    def _c_nvmlDeviceGetMinorNumber(self, handle: Any, ref: Any) -> None:
+        ref._obj.value = self._gpu_only(handle).index
+
+    def _c_nvmlDeviceGetNumaNodeId(self, handle: Any, ref: Any) -> None:
+        ref._obj.value = self._gpu_only(handle).numa_node
+
+    # -- metrics ---------------------------------------------------------------------------
+
+    def _memory(self, handle: Any) -> tuple[int, int, int]:
+        """(total, reserved, used excluding reserved) of a GPU, MIG device or MIG parent."""
+        gpu, _, gi = self._device(handle)
+        if gi is not None:
+            return gi.spec.memory_mib * MIB, 0, gi.memory_used
+        self._aggregate_allowed(gpu)
+        used = sum(gi.memory_used for gi in gpu.gis) if gpu.mig_current else gpu.memory_used
+        return gpu.memory_total, gpu.memory_reserved, used
+
+    def _c_nvmlDeviceGetMemoryInfo(self, handle: Any, ref: Any) -> None:
+        total, reserved, used = self._memory(handle)
+        # The v1 struct counts the reserved memory as used (gpustat#141).
+        ref._obj.total, ref._obj.used, ref._obj.free = total, used + reserved, total - used - reserved
+
+    def _c_nvmlDeviceGetMemoryInfo_v2(self, handle: Any, ref: Any) -> int:
+        if ref._obj.version != pynvml.nvmlMemory_v2:
+            return ARGUMENT_VERSION_MISMATCH
+        total, reserved, used = self._memory(handle)
+        ref._obj.total, ref._obj.reserved, ref._obj.used = total, reserved, used
+        ref._obj.free = total - reserved - used
+        return SUCCESS
+
+    def _c_nvmlDeviceGetUtilizationRates(self, handle: Any, ref: Any) -> int:
+        gpu = self._gpu_only(handle)
+        if gpu.mig_current:  # not supported on MIG-enabled GPUs
+            return NOT_SUPPORTED
+        ref._obj.gpu, ref._obj.memory = gpu.util_gpu, gpu.util_memory
+        return SUCCESS
+
+    def _c_nvmlDeviceGetTemperatureV(self, handle: Any, ref: Any) -> int:
+        if ref._obj.version != pynvml.nvmlTemperature_v1:
+            return ARGUMENT_VERSION_MISMATCH
+        if ref._obj.sensorType != pynvml.NVML_TEMPERATURE_GPU:
+            return NOT_SUPPORTED
+        ref._obj.temperature = self._gpu_only(handle).temperature
+        return SUCCESS
+
+    def _c_nvmlDeviceGetTemperature(self, handle: Any, sensor: Any, ref: Any) -> int:
+        if _val(sensor) != pynvml.NVML_TEMPERATURE_GPU:
+            return NOT_SUPPORTED
+        ref._obj.value = self._gpu_only(handle).temperature
+        return SUCCESS
+
+    def _c_nvmlDeviceGetPowerUsage(self, handle: Any, ref: Any) -> None:
+        ref._obj.value = self._gpu_only(handle).power_mw
+
+    def _c_nvmlDeviceGetEnforcedPowerLimit(self, handle: Any, ref: Any) -> None:
+        ref._obj.value = self._gpu_only(handle).power_limit_mw
+
+    def _c_nvmlDeviceGetPowerManagementLimit(self, handle: Any, ref: Any) -> None:
+        ref._obj.value = self._gpu_only(handle).power_limit_mw
+
+    def _c_nvmlDeviceGetTotalEnergyConsumption(self, handle: Any, ref: Any) -> None:
+        gpu = self._gpu_only(handle)
+        # mW × s = mJ: the counter advances with the current power draw.
+        ref._obj.value = gpu.energy_mj + int(gpu.power_mw * max(0.0, self._clock() - self._epoch))
+
+    def _c_nvmlDeviceGetClockInfo(self, handle: Any, clock_type: Any, ref: Any) -> int:
+        gpu = self._gpu_only(handle)
+        clocks = {pynvml.NVML_CLOCK_GRAPHICS: gpu.sm_clock, pynvml.NVML_CLOCK_SM: gpu.sm_clock, pynvml.NVML_CLOCK_MEM: gpu.mem_clock}
+        if _val(clock_type) not in clocks:
+            return INVALID_ARGUMENT
+        ref._obj.value = clocks[_val(clock_type)]
+        return SUCCESS
+
+    def _c_nvmlDeviceGetFanSpeed(self, handle: Any, ref: Any) -> int:
+        gpu = self._gpu_only(handle)
+        if gpu.fan is None:
+            return NOT_SUPPORTED
+        ref._obj.value = gpu.fan
+        return SUCCESS
+
+    def _c_nvmlDeviceGetPcieThroughput(self, handle: Any, counter: Any, ref: Any) -> None:
+        gpu = self._gpu_only(handle)
+        ref._obj.value = gpu.pcie_tx_kbs if _val(counter) == pynvml.NVML_PCIE_UTIL_TX_BYTES else gpu.pcie_rx_kbs
+
+    def _c_nvmlDeviceGetTotalEccErrors(self, handle: Any, error_type: Any, counter_type: Any, ref: Any) -> None:
+        gpu = self._gpu_only(handle)
+        corrected = _val(error_type) == pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED
+        ref._obj.value = gpu.ecc_corrected if corrected else gpu.ecc_uncorrected
+
+    def _c_nvmlDeviceGetRemappedRows(self, handle: Any, *refs: Any) -> int:
+        gpu = self._gpu_only(handle)
+        if gpu.remapped_rows is None or (gpu.mig_current and gpu.gis):  # unsupported with active instances
+            return NOT_SUPPORTED
+        for ref, value in zip(refs, gpu.remapped_rows, strict=True):
+            ref._obj.value = value
+        return SUCCESS
+
+    def _c_nvmlDeviceGetRetiredPages(self, handle: Any, cause: Any, count: Any, pages: Any) -> int:
+        gpu = self._gpu_only(handle)
+        if gpu.retired_pages is None:
+            return NOT_SUPPORTED
+        addresses = gpu.retired_pages[_val(cause)]
+        if pages is None:  # the size probe
+            count._obj.value = len(addresses)
+            return INSUFFICIENT_SIZE if addresses else SUCCESS
+        if count._obj.value < len(addresses):
+            return INSUFFICIENT_SIZE
+        for k, address in enumerate(addresses):
+            pages[k] = address
+        count._obj.value = len(addresses)
+        return SUCCESS
+
+    def _c_nvmlDeviceGetRetiredPagesPendingStatus(self, handle: Any, ref: Any) -> int:
+        gpu = self._gpu_only(handle)
+        if gpu.retired_pages is None:
+            return NOT_SUPPORTED
+        ref._obj.value = gpu.retired_pending
+        return SUCCESS
+
+    def _c_nvmlDeviceGetCurrentClocksEventReasons(self, handle: Any, ref: Any) -> None:
+        ref._obj.value = self._gpu_only(handle).clocks_event
+
+    _c_nvmlDeviceGetCurrentClocksThrottleReasons = _c_nvmlDeviceGetCurrentClocksEventReasons
+
+    def _c_nvmlDeviceGetSupportedClocksEventReasons(self, handle: Any, ref: Any) -> None:
+        ref._obj.value = self._gpu_only(handle).clocks_supported
+
+    _c_nvmlDeviceGetSupportedClocksThrottleReasons = _c_nvmlDeviceGetSupportedClocksEventReasons
+
+    def _processes(self, handle: Any) -> list[tuple[int, int, int, int]]:
+        gpu, ci, gi = self._device(handle)
+        if ci is not None and gi is not None:
+            return [(pid, used, gi.gi_id, ci.ci_id) for pid, used in ci.processes]
+        self._aggregate_allowed(gpu)
+        if gpu.mig_current:
+            return [(pid, used, gi.gi_id, ci.ci_id) for gi, ci in gpu.cis() for pid, used in ci.processes]
+        return [(pid, used, NO_ID, NO_ID) for pid, used in gpu.processes]
+
+    def _c_nvmlDeviceGetComputeRunningProcesses_v3(self, handle: Any, count: Any, infos: Any) -> int:
+        processes = self._processes(handle)
+        if infos is None or count._obj.value < len(processes):  # the size probe
+            count._obj.value = len(processes)
+            return INSUFFICIENT_SIZE if processes else SUCCESS
+        for k, (pid, used, gi_id, ci_id) in enumerate(processes):
+            infos[k].pid, infos[k].usedGpuMemory = pid, used
+            infos[k].gpuInstanceId, infos[k].computeInstanceId = gi_id, ci_id
+        count._obj.value = len(processes)
+        return SUCCESS
+
+    _c_nvmlDeviceGetComputeRunningProcesses_v2 = _c_nvmlDeviceGetComputeRunningProcesses_v3
+
+    def _c_nvmlDeviceGetProcessUtilization(self, handle: Any, samples: Any, count: Any, since: Any) -> int:
+        gpu = self._gpu_only(handle)
+        if gpu.mig_current:  # not supported on MIG-enabled GPUs
+            return NOT_SUPPORTED
+        now_us = int(self._clock() * 1e6)
+        # One sample per process at "now": nothing is newer than a timestamp already seen.
+        fresh = [(pid, sm) for pid, sm in gpu.process_sm.items() if now_us > _val(since)]
+        if not fresh:
+            return NOT_FOUND
+        if samples is None or count._obj.value < len(fresh):  # the size probe
+            count._obj.value = len(fresh)
+            return INSUFFICIENT_SIZE
+        for k, (pid, sm) in enumerate(fresh):
+            samples[k].pid, samples[k].timeStamp, samples[k].smUtil = pid, now_us, sm
+        count._obj.value = len(fresh)
+        return SUCCESS
+
+    # -- MIG -------------------------------------------------------------------------------
+
+    def _c_nvmlDeviceGetMigMode(self, handle: Any, current: Any, pending: Any) -> int:
+        gpu = self._gpu_only(handle)
+        if gpu.mig_sku is None:
+            return NOT_SUPPORTED
+        current._obj.value, pending._obj.value = int(gpu.mig_current), int(gpu.mig_pending)
+        return SUCCESS
+
+    def _c_nvmlDeviceGetMaxMigDeviceCount(self, handle: Any, ref: Any) -> int:
+        gpu = self._gpu_only(handle)
+        if gpu.mig_sku is None:
+            return NOT_SUPPORTED
+        ref._obj.value = 7 if gpu.mig_current else 0
+        return SUCCESS
+
+    def _c_nvmlDeviceGetMigDeviceHandleByIndex(self, handle: Any, index: Any, ref: Any) -> int:
+        gpu = self._gpu_only(handle)
+        for _, ci in gpu.cis():
+            if ci.mig_index == _val(index):
+                _write_handle(ref, self._address(gpu, ci))
+                return SUCCESS
+        return NOT_FOUND
+
+    def _c_nvmlDeviceGetDeviceHandleFromMigDeviceHandle(self, handle: Any, ref: Any) -> None:
+        _write_handle(ref, self._address(self._device(handle)[0]))
+
+    def _c_nvmlDeviceIsMigDeviceHandle(self, handle: Any, ref: Any) -> None:
+        ref._obj.value = int(self._device(handle)[1] is not None)
+
+    def _mig_device(self, handle: Any) -> tuple[FakeGi, FakeCi]:
+        _, ci, gi = self._device(handle)
+        if ci is None or gi is None:
+            raise _Return(INVALID_ARGUMENT)
+        return gi, ci
+
+    def _c_nvmlDeviceGetGpuInstanceId(self, handle: Any, ref: Any) -> None:
+        ref._obj.value = self._mig_device(handle)[0].gi_id
+
+    def _c_nvmlDeviceGetComputeInstanceId(self, handle: Any, ref: Any) -> None:
+        ref._obj.value = self._mig_device(handle)[1].ci_id
+
+    def _c_nvmlDeviceGetAttributes_v2(self, handle: Any, ref: Any) -> int:
+        _, ci, gi = self._device(handle)
+        if ci is None or gi is None:  # nvml.h: only MIG device handles
+            return NOT_SUPPORTED
+        attrs = ref._obj
+        attrs.multiprocessorCount = gi.spec.multiprocessors * ci.slices // gi.spec.slices
+        attrs.gpuInstanceSliceCount, attrs.computeInstanceSliceCount = gi.spec.slices, ci.slices
+        attrs.memorySizeMB = gi.spec.memory_mib
+        return SUCCESS
+
+    def _profile(self, gpu: FakeGpu, profile_id: int) -> FakeProfile:
+        for spec in mig_profiles(gpu.mig_sku) if gpu.mig_sku else ():
+            if spec.profile_id == profile_id:
+                return spec
+        raise _Return(INVALID_ARGUMENT)
+
+    def _profile_info(self, handle: Any, index: Any, info: Any) -> FakeProfile:
+        gpu = self._gpu_only(handle)
+        if gpu.mig_sku is None:
+            raise _Return(NOT_SUPPORTED)
+        if _val(index) >= pynvml.NVML_GPU_INSTANCE_PROFILE_COUNT:
+            raise _Return(INVALID_ARGUMENT)
+        spec = next((s for s in mig_profiles(gpu.mig_sku) if s.index == _val(index)), None)
+        if spec is None:  # a profile this SKU does not have
+            raise _Return(NOT_SUPPORTED)
+        info.id, info.isP2pSupported, info.sliceCount = spec.profile_id, 0, spec.slices
+        info.instanceCount, info.multiprocessorCount = spec.instance_count, spec.multiprocessors
+        info.copyEngineCount, info.decoderCount, info.encoderCount = spec.slices, spec.slices // 2, 0
+        info.memorySizeMB = spec.memory_mib
+        return spec
+
+    def _c_nvmlDeviceGetGpuInstanceProfileInfoV(self, handle: Any, index: Any, ref: Any) -> int:
+        if ref._obj.version != pynvml.nvmlGpuInstanceProfileInfo_v2:
+            return ARGUMENT_VERSION_MISMATCH
+        spec = self._profile_info(handle, index, ref._obj)
+        ref._obj.name = f"MIG {spec.name}".encode()
+        return SUCCESS
+
+    def _c_nvmlDeviceGetGpuInstanceProfileInfo(self, handle: Any, index: Any, ref: Any) -> None:
+        self._profile_info(handle, index, ref._obj)
+
+    def _c_nvmlDeviceGetGpuInstances(self, handle: Any, profile_id: Any, instances: Any, count: Any) -> int:
+        gpu = self._gpu_only(handle)
+        if not gpu.mig_current:
+            return NOT_SUPPORTED
+        spec = self._profile(gpu, _val(profile_id))
+        found = [gi for gi in gpu.gis if gi.spec.profile_id == spec.profile_id]
+        if len(found) > len(instances):
+            return INSUFFICIENT_SIZE
+        for k, gi in enumerate(found):
+            instances[k] = _pointer(pynvml.c_nvmlGpuInstance_t, self._address(gpu) + _GI_OFFSET + gi.gi_id)
+        count._obj.value = len(found)
+        return SUCCESS
+
+    def _c_nvmlGpuInstanceGetInfo(self, handle: Any, ref: Any) -> None:
+        gpu, _, gi = self._device(handle)
+        if gi is None:
+            raise _Return(INVALID_ARGUMENT)
+        info = ref._obj
+        info.device = _pointer(pynvml.c_nvmlDevice_t, self._address(gpu))
+        info.id, info.profileId = gi.gi_id, gi.spec.profile_id
+        info.placement.start, info.placement.size = gi.start, gi.spec.memory_slices
+
+    def _c_nvmlDeviceGetGpuInstancePossiblePlacements_v2(self, handle: Any, profile_id: Any, placements: Any, count: Any) -> int:
+        gpu = self._gpu_only(handle)
+        spec = self._profile(gpu, _val(profile_id))
+        if placements is None:  # the size probe
+            count._obj.value = len(spec.starts)
+            return SUCCESS
+        for k, start in enumerate(spec.starts[: len(placements)]):
+            placements[k].start, placements[k].size = start, spec.memory_slices
+        count._obj.value = min(len(spec.starts), len(placements))
+        return SUCCESS
+
+    def _c_nvmlDeviceGetGpuInstanceRemainingCapacity(self, handle: Any, profile_id: Any, ref: Any) -> int:
+        gpu = self._gpu_only(handle)
+        if not gpu.mig_current:
+            return NOT_SUPPORTED
+        spec = self._profile(gpu, _val(profile_id))
+        existing = [GpuInstance(gi.spec.name, gi.start) for gi in gpu.gis]
+        ref._obj.value = creatable_instances(BUILTIN_TABLES[gpu.mig_sku], existing)[spec.name]  # type: ignore[index]
+        return SUCCESS
+
+    # -- events ----------------------------------------------------------------------------
+
+    def _c_nvmlEventSetCreate(self, ref: Any) -> None:
+        _write_handle(ref, _EVENT_SET)
+
+    def _c_nvmlEventSetFree(self, event_set: Any) -> None:
+        pass
+
+    def _c_nvmlDeviceGetSupportedEventTypes(self, handle: Any, ref: Any) -> None:
+        self._gpu_only(handle)
+        ref._obj.value = pynvml.nvmlEventTypeXidCriticalError
+
+    def _c_nvmlDeviceRegisterEvents(self, handle: Any, types: Any, event_set: Any) -> None:
+        self._gpu_only(handle).registered_events |= _val(types)
+
+    def _c_nvmlEventSetWait_v2(self, event_set: Any, ref: Any, timeout_ms: Any) -> int:
+        deadline = time.monotonic() + min(_val(timeout_ms), self.max_event_wait_ms) / 1000
+        with self._events:
+            while True:
+                if self._refcount == 0:
+                    return UNINITIALIZED
+                for k, (index, xid) in enumerate(self._event_queue):
+                    gpu = self.gpus[index]
+                    if gpu.registered_events & pynvml.nvmlEventTypeXidCriticalError:
+                        del self._event_queue[k]
+                        data = ref._obj
+                        data.device = _pointer(pynvml.c_nvmlDevice_t, self._address(gpu))
+                        data.eventType, data.eventData = pynvml.nvmlEventTypeXidCriticalError, xid
+                        data.gpuInstanceId = data.computeInstanceId = NO_ID
+                        return SUCCESS
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return TIMEOUT
+                self._events.wait(remaining)
+
+
+def _uuid(scope: str, index: int, prefix: str = "GPU-") -> str:
+    return f"{prefix}{uuidlib.uuid5(uuidlib.NAMESPACE_URL, f'fake-nvml/{scope}/{index}')}"
