@@ -110,6 +110,8 @@ def headroom_params(settings: Settings) -> HeadroomParams:
 class Exporter:
     """One exporter: call :meth:`start`, serve :meth:`handle`, then :meth:`close`.
 
+    :param clock: unix time (kernel state timestamps, staleness, telemetry timestamps).
+    :param monotonic: seconds for durations (idle and no-process windows).
     :param telemetry: a ready telemetry source (tests pass a fake); by default one is opened
         from ``--telemetry.source`` at :meth:`start`.
     """
@@ -119,6 +121,7 @@ class Exporter:
         settings: Settings,
         *,
         clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
         telemetry: TelemetrySource | None = None,
     ) -> None:
         self.settings = settings
@@ -127,7 +130,7 @@ class Exporter:
         self._source = telemetry
         self.sampler: TelemetrySampler | None = None
         self._tracker = AttributionTracker(
-            ProcFS(str(settings.path_procfs)), idle_threshold_ratio=settings.attribution_idle_threshold_ratio
+            ProcFS(str(settings.path_procfs)), monotonic, idle_threshold_ratio=settings.attribution_idle_threshold_ratio
         )
         self.analysis = Analysis()
         self._stop = threading.Event()
@@ -170,6 +173,9 @@ class Exporter:
         except BaseException:
             self.sampler.close()
             raise
+        # The first sample runs alongside the scan; give it until its deadline so the first scrape
+        # after /-/ready already has telemetry (a hung NVML only delays readiness by the timeout).
+        self.sampler.wait_for_version(0, self.settings.telemetry_timeout)
         self._analyse()
         self._analyser = threading.Thread(target=self._analysis_loop, name="analysis", daemon=True)
         self._analyser.start()
