@@ -12,6 +12,7 @@ import errno
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -272,4 +273,8 @@ def _demo(settings: Settings, directory: str | None) -> int:
             print(f"  {base}{path}", flush=True)
         print("Press Ctrl-C to stop.", flush=True)
 
-    return serve(settings, on_ready=announce)
+    try:
+        return serve(settings, on_ready=announce)
+    finally:
+        if directory is None:  # a temporary tree of our own: leave nothing behind
+            shutil.rmtree(base, ignore_errors=True)
