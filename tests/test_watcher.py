@@ -91,7 +91,9 @@ def test_writes_under_work_cause_no_read(watched) -> None:
     # A marker write after the burst proves the burst was processed before we compare.
     (root / "k1" / "config" / "resource.txt").write_text(FULL.replace("0.5", "0.25"))
     wait_for(lambda: book.view().alloc_map == {"GPU-a": "0.25"})
-    assert counter.reads - reads <= 3  # the marker's modify + close events only
+    # The marker's truncate, write and close events, plus any of k1's own creation events still
+    # queued when we took the baseline; 500 files under work/ would have meant 500+ reads.
+    assert counter.reads - reads <= 6, counter.reads - reads
 
 
 def test_burst_of_a_thousand_kernels(watched) -> None:

@@ -1,0 +1,1 @@
+"""Helpers for the end-to-end monitoring test (real exporter, Prometheus and Alertmanager)."""
