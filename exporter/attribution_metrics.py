@@ -15,6 +15,7 @@ from __future__ import annotations
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from exporter.attribution import AttributionResult
+from exporter.collector import collector_status
 
 __all__ = ["attribution_families"]
 
@@ -56,12 +57,9 @@ def attribution_families(result: AttributionResult | None, *, process_detail: bo
     :param process_detail: add per-process families labelled with ``pid`` (one series per GPU
         process and device: for debugging, off by default).
     """
-    success = _gauge("gpu_alloc_collector_success", "1 if the collector's last run succeeded", ["collector"])
-    success.add_metric(["attribution"], 0 if result is None else 1)
     if result is None:
-        return [success]
-    duration = _gauge("gpu_alloc_collector_duration_seconds", "Duration of the collector's last run", ["collector"])
-    duration.add_metric(["attribution"], result.duration_seconds)
+        return collector_status("attribution", False)
+    status = collector_status("attribution", True, result.duration_seconds)
 
     kernel = [(_gauge(name, doc, _KERNEL), field) for name, doc, field in _KERNEL_FAMILIES]
     breach = _gauge("gpu_alloc_kernel_isolation_breach", "1 if the kernel runs processes on a device it was not allocated, else 0", _KERNEL)
@@ -92,7 +90,7 @@ def attribution_families(result: AttributionResult | None, *, process_detail: bo
     for device_id, ok in sorted(result.devices.items()):
         attributable.add_metric([device_id], int(ok))
 
-    families = [success, duration, *(f for f, _ in kernel), breach, processes, memory, attributable]
+    families = [*status, *(f for f, _ in kernel), breach, processes, memory, attributable]
     if process_detail:
         p_memory = _gauge("gpu_alloc_process_memory_used_bytes", "GPU memory used by one process (kernel_id empty when unattributed)", _PROCESS)
         p_util = _gauge("gpu_alloc_process_utilization_ratio", "SM utilisation of one process (0-1) from NVML per-process samples", _PROCESS)

@@ -24,7 +24,7 @@ from exporter.resources import SlotKind, slot_kind
 from exporter.telemetry import TelemetrySnapshot
 from exporter.watcher import WatcherStatus
 
-__all__ = ["ExporterCollector", "allocation_families", "build_info", "unknown_device_families", "watcher_families"]
+__all__ = ["ExporterCollector", "allocation_families", "build_info", "collector_status", "unknown_device_families", "watcher_families"]
 
 log = logging.getLogger(__name__)
 
@@ -97,11 +97,23 @@ def watcher_families(status: WatcherStatus) -> list[Metric]:
     for s in status.last_scan:
         roots.add_metric([s.root], int(s.ok))
     out.append(roots)
-    success = _g("gpu_alloc_collector_success", "1 if the collector's last run succeeded", ["collector"])
-    success.add_metric(["scratch"], int(scan_ok and bool(status.last_scan)))
-    duration = _g("gpu_alloc_collector_duration_seconds", "Duration of the collector's last run", ["collector"])
-    duration.add_metric(["scratch"], sum(s.duration_seconds for s in status.last_scan))
-    out += [success, duration]
+    out += collector_status("scratch", scan_ok and bool(status.last_scan), sum(s.duration_seconds for s in status.last_scan))
+    return out
+
+
+def collector_status(
+    collector: str, success: bool, duration_seconds: float | None = None, last_success: float | None = None
+) -> list[Metric]:
+    """The self-metrics every source reports, labelled ``{collector}``; :func:`merge` joins the
+    families of all sources into one per name."""
+    out = [_g("gpu_alloc_collector_success", "1 if the collector's last run succeeded", ["collector"])]
+    out[0].add_metric([collector], int(success))
+    if duration_seconds is not None:
+        out.append(_g("gpu_alloc_collector_duration_seconds", "Duration of the collector's last run", ["collector"]))
+        out[-1].add_metric([collector], duration_seconds)
+    if last_success is not None:
+        out.append(_g("gpu_alloc_collector_last_success_timestamp_seconds", "Unix time of the collector's last successful run", ["collector"]))
+        out[-1].add_metric([collector], last_success)
     return out
 
 
@@ -150,7 +162,5 @@ class ExporterCollector(Collector):
                 families = list(source())
             except Exception:
                 log.exception("collector %s failed", name)
-                failed = _g("gpu_alloc_collector_success", "1 if the collector's last run succeeded", ["collector"])
-                failed.add_metric([name], 0)
-                families = [failed]
+                families = collector_status(name, False)
             yield from families

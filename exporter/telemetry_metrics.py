@@ -19,6 +19,7 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from exporter.collector import collector_status
 from exporter.devices import DeviceResolver
 from exporter.telemetry import DeviceReading, MigDeviceReading, TelemetrySnapshot
 
@@ -148,13 +149,6 @@ def telemetry_families(snapshot: TelemetrySnapshot, resolver: DeviceResolver) ->
     if snapshot.source == "none":
         return []
     out = _Families()
-    collector = {"collector": snapshot.source}
-    out.add("gauge", "gpu_alloc_collector_success", "1 when the last collection from this source succeeded.",
-            collector, snapshot.success)
-    out.add("gauge", "gpu_alloc_collector_duration_seconds", "How long the last collection from this source took.",
-            collector, snapshot.duration_seconds)
-    out.add("gauge", "gpu_alloc_collector_last_success_timestamp_seconds", "When this source was last collected successfully.",
-            collector, snapshot.last_success_timestamp)
     if snapshot.driver_version is not None or snapshot.cuda_version is not None:
         versions = {"driver_version": _text(snapshot.driver_version), "cuda_version": _text(snapshot.cuda_version)}
         out.add("gauge", "gpu_alloc_driver_info", "GPU driver and the CUDA version it supports.", versions, 1)
@@ -212,4 +206,5 @@ def telemetry_families(snapshot: TelemetrySnapshot, resolver: DeviceResolver) ->
                 "XID errors the driver reported since the exporter started, by XID code.", labels, xid.count)
         out.add("gauge", "gpu_alloc_xid_last_seen_timestamp_seconds",
                 "When the driver last reported this XID for the GPU.", labels, xid.last_seen_timestamp)
-    return out.result()
+    status = collector_status(snapshot.source, snapshot.success, snapshot.duration_seconds, snapshot.last_success_timestamp)
+    return status + out.result()
