@@ -7,24 +7,23 @@ Three kinds of background work publish immutable results; scrapes only read them
 * the analysis thread, after each telemetry sample (or every ``--telemetry.interval``), reads
   the cgroup tree for stale kernels and ``/proc`` for process attribution, and publishes both.
 
-``/metrics`` is rendered once per change of its inputs and served from cached bytes (plain and
-gzip): prometheus_client renders ~150k samples/s, so re-rendering 20,000 samples for every scrape
-would cost ~125 ms each, while an unchanged state costs a dictionary lookup.
+``/metrics`` is rendered part by part, each part once per change of its inputs, and served from
+cached bytes (plain and gzip): prometheus_client renders ~150k samples/s, so re-rendering 20,000
+per-kernel samples whenever a telemetry sample arrives would cost ~125 ms a scrape.
 """
 
 from __future__ import annotations
 
-import gzip
 import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 
 from exporter import __version__
@@ -34,13 +33,22 @@ from exporter.attribution_metrics import attribution_families
 from exporter.capacity import CapacityConfig
 from exporter.collector import (
     ExporterCollector,
+    Source,
     allocation_families,
     build_info,
     unknown_device_families,
     watcher_families,
 )
 from exporter.devices import DeviceResolver
-from exporter.headroom_metrics import DEFAULT_REQUESTS, HeadroomParams, NodeState, headroom_families, live_state
+from exporter.headroom_metrics import (
+    DEFAULT_REQUESTS,
+    HeadroomParams,
+    Inventory,
+    NodeState,
+    headroom_families,
+    inventory_from_snapshot,
+    live_state,
+)
 from exporter.mig_geometry import parse_hami_geometries
 from exporter.placement import NoFragRule, Request as PlacementRequest
 from exporter.scratch import Scanner
@@ -64,20 +72,11 @@ JSON = "application/json"
 class Analysis:
     """What the analysis thread last published."""
 
-    version: int = 0
+    version: int = 0  # bumped on every analysis (attribution durations move every sample)
+    liveness_version: int = 0  # bumped only when liveness or cgroup visibility changed
     cgroups: CgroupScan | None = None
     liveness: Mapping[str, KernelLiveness] = field(default_factory=dict)
     attribution: AttributionResult | None = None
-
-
-@dataclass(frozen=True)
-class _Scrape:
-    """The inputs of one rendering, taken together so every family sees the same state."""
-
-    view: AllocationView
-    snapshot: TelemetrySnapshot
-    resolver: DeviceResolver
-    analysis: Analysis
 
 
 def headroom_params(settings: Settings) -> HeadroomParams:
@@ -135,7 +134,6 @@ class Exporter:
         self.analysis = Analysis()
         self._stop = threading.Event()
         self._analyser: threading.Thread | None = None
-        self._scrape: _Scrape | None = None
         self.book = AllocationBook(clock)
         self.scanner = Scanner(self.book, settings.scratch_max_file_bytes)
         self.watcher = ScratchWatcher(
@@ -147,10 +145,9 @@ class Exporter:
             clock=clock,
         )
         self._ready = threading.Event()
-        self._render_lock = threading.Lock()
-        self._rendered: tuple[Any, bytes, bytes | None] | None = None
+        self.collector = ExporterCollector(self._sources())
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(ExporterCollector(self._sources()))
+        self.registry.register(self.collector)
         self._routes: dict[str, Callable[[Request], Response]] = {
             "/": self._landing,
             "/metrics": self._metrics,
@@ -213,7 +210,10 @@ class Exporter:
         except Exception:
             log.exception("process attribution failed")
             attribution = None
-        self.analysis = Analysis(self.analysis.version + 1, cgroups, liveness, attribution)
+        prev = self.analysis
+        visible = cgroups.visible if cgroups else None
+        moved = liveness != prev.liveness or visible != (prev.cgroups.visible if prev.cgroups else None)
+        self.analysis = Analysis(prev.version + 1, prev.liveness_version + moved, cgroups, liveness, attribution)
 
     def _resolver(self, view: AllocationView, snapshot: TelemetrySnapshot) -> DeviceResolver:
         # Only GPU slots decide the id scheme: CPU core ids ("0", "1") would look like ordinals.
@@ -226,50 +226,50 @@ class Exporter:
 
     # -- metrics -------------------------------------------------------------------------------
 
-    def _sources(self) -> list[tuple[str, Callable[[], Iterable[Metric]]]]:
+    def _sources(self) -> list[Source]:
+        """Each source with the token its output depends on (see ExporterCollector.render)."""
         s = self.settings
+        book, watcher = self.book, self.watcher
 
-        def scrape() -> _Scrape:
-            assert self._scrape is not None  # set by render()
-            return self._scrape
+        def telemetry() -> list[Metric]:
+            view, snapshot = book.view(), self._snapshot()
+            resolver = self._resolver(view, snapshot)
+            return telemetry_families(snapshot, resolver) + unknown_device_families(view, snapshot, resolver)
+
+        def inventory() -> Inventory:
+            view, snapshot = book.view(), self._snapshot()
+            return inventory_from_snapshot(snapshot, self._resolver(view, snapshot))
+
+        def headroom() -> list[Metric]:
+            analysis = self.analysis
+            visible = analysis.cgroups.visible if analysis.cgroups else None
+            return headroom_families(book.view(), None, inventory(), self.params, analysis.liveness, visible)
 
         return [
-            ("build", lambda: [build_info(s.agent_id)]),
-            ("scratch", lambda: allocation_families(scrape().view) + watcher_families(self.watcher.status())),
-            ("telemetry", lambda: telemetry_families(scrape().snapshot, scrape().resolver)
-                + unknown_device_families(scrape().view, scrape().snapshot, scrape().resolver)),
-            ("headroom", lambda: headroom_families(
-                scrape().view, scrape().snapshot, scrape().resolver, self.params, scrape().analysis.liveness,
-                scrape().analysis.cgroups.visible if scrape().analysis.cgroups else None)),
-            ("attribution", lambda: attribution_families(scrape().analysis.attribution, process_detail=s.attribution_process_detail)),
+            Source("build", lambda: [build_info(s.agent_id)], lambda: 0),
+            Source("scratch", lambda: allocation_families(book.view()), lambda: book.version),
+            Source("watcher", lambda: watcher_families(watcher.status()), watcher.status),
+            Source("telemetry", telemetry, lambda: (book.version, self._sampler_version())),
+            # Headroom depends on the inventory (capacity, MIG layout), not on each sample's readings.
+            Source("headroom", headroom, lambda: (book.version, self.analysis.liveness_version, inventory())),
+            Source("attribution", lambda: attribution_families(
+                self.analysis.attribution, process_detail=s.attribution_process_detail), lambda: self.analysis.version),
         ]
 
-    def _take_scrape(self) -> _Scrape:
-        view = self.book.view()
-        snapshot = self.sampler.latest() if self.sampler else TelemetrySnapshot(source="none")
-        return _Scrape(view, snapshot, self._resolver(view, snapshot), self.analysis)
+    def _snapshot(self) -> TelemetrySnapshot:
+        return self.sampler.latest() if self.sampler else TelemetrySnapshot(source="none")
+
+    def _sampler_version(self) -> int:
+        return self.sampler.version if self.sampler else 0
 
     def node_state(self) -> NodeState:
         """Devices with capacity and allocation now: what ``simulate`` places requests on."""
-        sc = self._take_scrape()
-        return live_state(sc.view, sc.snapshot, sc.resolver, self.params, sc.analysis.liveness)
+        view, snapshot = self.book.view(), self._snapshot()
+        return live_state(view, snapshot, self._resolver(view, snapshot), self.params, self.analysis.liveness)
 
     def render(self, gzipped: bool = False) -> bytes:
-        """The current exposition, rendered at most once per state change."""
-        with self._render_lock:
-            # Everything the exposition depends on; equal tokens mean identical output.
-            token = (self.book.version, self.watcher.status(), self.sampler.version if self.sampler else 0,
-                     self.analysis.version)
-            if self._rendered is None or self._rendered[0] != token:
-                self._scrape = self._take_scrape()
-                self._rendered = (token, generate_latest(self.registry), None)
-            token, plain, packed = self._rendered
-            if not gzipped:
-                return plain
-            if packed is None:
-                packed = gzip.compress(plain, compresslevel=1)  # fast: this runs per change, not per scrape
-                self._rendered = (token, plain, packed)
-            return packed
+        """The current exposition; each part is rendered once per change of what it shows."""
+        return self.collector.render(gzipped)
 
     # -- HTTP ----------------------------------------------------------------------------------
 

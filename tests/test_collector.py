@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
+import gzip
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 
 from exporter.allocation import AllocationBook
-from exporter.collector import ExporterCollector, allocation_families, build_info, watcher_families
+from exporter.collector import (
+    ExporterCollector,
+    Source,
+    allocation_families,
+    build_info,
+    collector_status,
+    watcher_families,
+)
 from exporter.scratch import Scanner, ScanStats
 from exporter.watcher import WatcherStatus
 
@@ -27,8 +36,8 @@ def render(tree: Path, status: WatcherStatus = STATUS) -> bytes:
     Scanner(book).scan(str(tree))
     registry = CollectorRegistry(auto_describe=False)
     registry.register(ExporterCollector([
-        ("build", lambda: [build_info("agent-1")]),
-        ("scratch", lambda: allocation_families(book.view()) + watcher_families(status)),
+        Source("build", lambda: [build_info("agent-1")], lambda: 0),
+        Source("scratch", lambda: allocation_families(book.view()) + watcher_families(status), lambda: 0),
     ]))
     return generate_latest(registry)
 
@@ -60,7 +69,7 @@ def test_a_failing_source_reports_success_0_and_the_scrape_still_works() -> None
         raise RuntimeError("NVML went away")
 
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(ExporterCollector([("nvml", broken), ("build", lambda: [build_info(None)])]))
+    registry.register(ExporterCollector([Source("nvml", broken, lambda: 0), Source("build", lambda: [build_info(None)], lambda: 0)]))
     assert registry.get_sample_value("gpu_alloc_collector_success", {"collector": "nvml"}) == 0
     assert registry.get_sample_value("gpu_alloc_build_info", {"version": __import__("exporter").__version__,
                                                                 "python_version": __import__("platform").python_version(),
@@ -70,6 +79,34 @@ def test_a_failing_source_reports_success_0_and_the_scrape_still_works() -> None
 def test_a_failed_scan_reports_success_0() -> None:
     status = WatcherStatus(**{**STATUS.__dict__, "last_scan": (ScanStats("/gone", 0, 0.0, False, "No such file"),)})
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(ExporterCollector([("scratch", lambda: watcher_families(status))]))
+    registry.register(ExporterCollector([Source("scratch", lambda: watcher_families(status), lambda: 0)]))
     assert registry.get_sample_value("gpu_alloc_collector_success", {"collector": "scratch"}) == 0
     assert registry.get_sample_value("gpu_alloc_scratch_root_up", {"scratch_root": "/gone"}) == 0
+
+
+def test_render_reuses_unchanged_parts_and_merges_status_families() -> None:
+    calls = {"big": 0, "small": 0}
+    version = {"small": 0}
+
+    def big():
+        calls["big"] += 1
+        return collector_status("big", True, 0.5)
+
+    def small():
+        calls["small"] += 1
+        fams = collector_status("small", True)
+        fams.append(GaugeMetricFamily("gpu_alloc_small", "a value", value=version["small"]))
+        return fams
+
+    collector = ExporterCollector([Source("big", big, lambda: 0), Source("small", small, lambda: version["small"])])
+    first = collector.render()
+    version["small"] = 1
+    second = collector.render()
+    assert calls == {"big": 1, "small": 2}
+    assert b"gpu_alloc_small 0.0" in first and b"gpu_alloc_small 1.0" in second
+    # One family per name: both sources' status samples under a single HELP/TYPE.
+    assert second.count(b"# TYPE gpu_alloc_collector_success gauge") == 1
+    assert b'gpu_alloc_collector_success{collector="big"} 1.0' in second
+    assert gzip.decompress(collector.render(gzipped=True)) == second
+    result = subprocess.run(["promtool", "check", "metrics"], input=second, capture_output=True)
+    assert result.returncode == 0, result.stderr.decode()

@@ -22,7 +22,7 @@ from test_attribution import CID, K1, K2, K3, K4, K5, K6, PLACEMENT, PROC
 from prometheus_client import CollectorRegistry, generate_latest
 
 from exporter.app import Exporter
-from exporter.collector import ExporterCollector
+from exporter.collector import ExporterCollector, Source
 from exporter.devices import DeviceResolver
 from exporter.mock_source import DEMO_DEVICES_FILE, MockSource
 from exporter.telemetry import TelemetrySnapshot
@@ -130,7 +130,7 @@ def _mock_devices() -> TelemetrySnapshot:
 def test_telemetry_golden(name: str, snapshot, update_golden: bool) -> None:
     snap = snapshot()
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(ExporterCollector([("telemetry", lambda: telemetry_families(snap, DeviceResolver(snap)))]))
+    registry.register(ExporterCollector([Source("telemetry", lambda: telemetry_families(snap, DeviceResolver(snap)), lambda: 0)]))
     text = generate_latest(registry).decode()
     golden = GOLDEN.with_name(name)
     if update_golden:
