@@ -65,6 +65,7 @@ __all__ = ["Exporter", "state_document"]
 log = logging.getLogger(__name__)
 
 TEXT_FORMAT = "text/plain; version=0.0.4; charset=utf-8"
+STALE_CHECK_SECONDS = 30.0
 JSON = "application/json"
 
 
@@ -132,6 +133,8 @@ class Exporter:
             ProcFS(str(settings.path_procfs)), monotonic, idle_threshold_ratio=settings.attribution_idle_threshold_ratio
         )
         self.analysis = Analysis()
+        self._monotonic = monotonic
+        self._judged: tuple[int, float] = (-1, 0.0)  # (view version, monotonic time) of the last staleness check
         self._stop = threading.Event()
         self._analyser: threading.Thread | None = None
         self.book = AllocationBook(clock)
@@ -198,19 +201,24 @@ class Exporter:
             self._analyse()
 
     def _analyse(self) -> None:
-        view, snapshot = self.book.view(), self.sampler.latest()
-        try:
-            cgroups = scan_cgroups(self.settings.path_cgroupfs)
-            liveness = classify_kernels(view.kernels, cgroups, self.clock(), self.settings.stale_grace)
-        except Exception:
-            log.exception("stale-kernel check failed")
-            cgroups, liveness = None, {}
+        prev, view, snapshot = self.analysis, self.book.view(), self.sampler.latest()
+        cgroups, liveness = prev.cgroups, prev.liveness
+        # Staleness moves on a scale of minutes (--stale.grace): re-judge when the kernels change,
+        # else at most every STALE_CHECK_SECONDS, not on every telemetry sample.
+        now = self._monotonic()
+        if view.version != self._judged[0] or now - self._judged[1] >= STALE_CHECK_SECONDS:
+            try:
+                cgroups = scan_cgroups(self.settings.path_cgroupfs)
+                liveness = classify_kernels(view.kernels, cgroups, self.clock(), self.settings.stale_grace)
+            except Exception:
+                log.exception("stale-kernel check failed")
+                cgroups, liveness = None, {}
+            self._judged = (view.version, now)
         try:
             attribution = self._tracker.update(snapshot, view.kernels.values(), self._resolver(view, snapshot))
         except Exception:
             log.exception("process attribution failed")
             attribution = None
-        prev = self.analysis
         visible = cgroups.visible if cgroups else None
         moved = liveness != prev.liveness or visible != (prev.cgroups.visible if prev.cgroups else None)
         self.analysis = Analysis(prev.version + 1, prev.liveness_version + moved, cgroups, liveness, attribution)

@@ -403,9 +403,15 @@ class AttributionTracker:
         :param devices: the resolver for this sample (allocation ids → readings, ``device_id`` labels).
         """
         started = time.perf_counter()
-        index = KernelIndex(kernels)
         units = _units(snapshot.devices, devices)
         read = [u for u in units if u.processes is not None]
+        if not read:
+            # No process list at all (telemetry off, mock devices, NVML down): nothing to measure,
+            # and every streak restarts, as for any unread device. Skips a pass over all kernels.
+            self._streaks = {}
+            self._attributor.retain({})
+            return AttributionResult((), (), (), MappingProxyType({}), time.perf_counter() - started)
+        index = KernelIndex(kernels)
         pairs, holder = _allocated_pairs(kernels, units, devices)
 
         unattributed: dict[tuple[str, Unattributed], list[GpuProcess]] = {}

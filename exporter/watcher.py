@@ -11,7 +11,7 @@ A thin adapter over watchdog's inotify layer, designed around three measured fac
 * ``memory``/``hostfile`` scratch types mount a filesystem over each kernel directory after it
   appears, which hides later writes from a watch placed before the mount. The worker thread
   polls ``/proc/self/mountinfo`` (the kernel flags it on every mount-table change) and re-arms
-  the watches of kernels under the scratch roots when mounts change.
+  the watches of the kernels whose directories were mounted over or unmounted.
 
 Besides events, a stat-based rescan runs every ``rescan_interval`` seconds as a safety net (it
 re-reads only files whose size, mtime or inode changed). ``mode="poll"`` does that every
@@ -24,6 +24,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import re
 import select
 import threading
 import time
@@ -144,6 +145,7 @@ class ScratchWatcher:
         self._last_event: float | None = None
         self._last_scan: tuple[ScanStats, ...] = ()
         self._degraded: dict[str, str] = {}
+        self._mounts: set[str] = set()  # mount points at or below the scratch roots
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -234,7 +236,7 @@ class ScratchWatcher:
                     self._full_scan(force=False)
                     next_scan = time.monotonic() + self._interval()
                 elif mount_changed:
-                    self._rearm_all()
+                    self._rearm_mounted()
             except Exception:
                 self._count_error("rescan failed", exc_info=True)
         if mounts is not None:
@@ -252,6 +254,7 @@ class ScratchWatcher:
             fd = os.open(self._mountinfo, os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
             return None
+        self._mounts = _mount_points(self._mountinfo, self.roots)
         poller.register(fd, select.POLLPRI | select.POLLERR)
         return fd
 
@@ -264,7 +267,11 @@ class ScratchWatcher:
                 self._arm_root(root)
             stats.append(self.scanner.scan(root, force=force))
             if self._fd is not None:
-                for kernel_id in self.scanner.book.known(root):
+                # Watched kernels stay valid until their directory goes (a root event) or a mount
+                # replaces it (a mount-table event): a rescan only arms the ones without a watch.
+                with self._lock:
+                    armed = {k for r, k in self._kernel_watch if r == root}
+                for kernel_id in self.scanner.book.known(root) - armed:
                     self._arm_kernel(root, kernel_id)
                 self._drop_vanished(root)
         with self._lock:
@@ -276,11 +283,21 @@ class ScratchWatcher:
                 elif self._degraded.get(s.root, "").startswith("scratch root"):
                     del self._degraded[s.root]
 
-    def _rearm_all(self) -> None:
-        """Mount table changed: re-arm watches whose directory is now a different inode."""
+    def _rearm_mounted(self) -> None:
+        """The mount table changed. Container starts change it all the time, so look only at mount
+        points under the scratch roots: re-arm (and re-read) the kernels whose directory was
+        mounted over or unmounted, or every kernel of a root that was itself remounted."""
+        points = _mount_points(self._mountinfo, self.roots)
+        changed, self._mounts = points ^ self._mounts, points
         for root in self.roots:
+            hit = {p for p in changed if p == root or p.startswith(root + os.sep)}
+            if not hit:
+                continue
             self._arm_root(root)
-            for kernel_id in self.scanner.book.known(root):
+            kernels = self.scanner.book.known(root)
+            if root not in hit:
+                kernels &= {p[len(root) + 1 :].split(os.sep, 1)[0] for p in hit}
+            for kernel_id in kernels:
                 if self._arm_kernel(root, kernel_id):
                     self.scanner.refresh(root, kernel_id)
 
@@ -407,6 +424,23 @@ class ScratchWatcher:
         with self._lock:
             self._errors += 1
         log.error("watcher: %s", message, exc_info=exc_info)
+
+
+def _mount_points(mountinfo: str, roots: Sequence[str]) -> set[str]:
+    """Mount points (field 5 of /proc/self/mountinfo, octal escapes decoded) at or below ``roots``."""
+    try:
+        with open(mountinfo, encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return set()
+    points = set()
+    for line in lines:
+        fields = line.split(" ")
+        if len(fields) > 4:
+            point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
+            if any(point == r or point.startswith(r + os.sep) for r in roots):
+                points.add(point)
+    return points
 
 
 def _ident(path: str) -> tuple[int, int] | None:

@@ -196,3 +196,24 @@ def test_close_joins_every_thread(tmp_path: Path) -> None:
     assert threading.active_count() == before + 2
     watcher.close()
     assert threading.active_count() == before
+
+
+def test_a_filesystem_mounted_over_a_kernel_directory_is_followed(tmp_path: Path) -> None:
+    """scratch-type=memory/hostfile: the agent mounts over {root}/{kernel} after creating it."""
+    import subprocess
+
+    book = AllocationBook()
+    with ScratchWatcher(Scanner(book), [str(tmp_path)], rescan_interval=3600) as watcher:
+        (tmp_path / "k1").mkdir()
+        wait_for(lambda: "k1" in book.view().kernels)
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(tmp_path / "k1")],
+                          capture_output=True).returncode != 0:
+            pytest.skip("mounting tmpfs needs root")
+        try:
+            write_kernel(tmp_path, "k1", {"cuda.shares": {"GPU-a": Decimal("0.5")}})
+            wait_for(lambda: book.view().alloc_map == {"GPU-a": "0.5"})
+            (tmp_path / "k1/config/resource.txt").write_text(FULL.replace("0.5", "0.25"))
+            wait_for(lambda: book.view().alloc_map == {"GPU-a": "0.25"})
+            assert watcher.status().rescans_total == 1  # events and the mount table, not a rescan
+        finally:
+            subprocess.run(["umount", str(tmp_path / "k1")], check=True)
