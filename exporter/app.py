@@ -33,9 +33,12 @@ from exporter.attribution_metrics import attribution_families
 from exporter.capacity import CapacityConfig
 from exporter.collector import (
     ExporterCollector,
+    KernelText,
     Source,
     allocation_families,
     build_info,
+    kernel_families,
+    render_families,
     unknown_device_families,
     watcher_families,
 )
@@ -148,6 +151,7 @@ class Exporter:
             clock=clock,
         )
         self._ready = threading.Event()
+        self._kernel_text = KernelText()
         self.collector = ExporterCollector(self._sources())
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self.collector)
@@ -253,9 +257,17 @@ class Exporter:
             visible = analysis.cgroups.visible if analysis.cgroups else None
             return headroom_families(book.view(), None, inventory(), self.params, analysis.liveness, visible)
 
+        def scratch() -> list[Metric]:
+            view = book.view()
+            return allocation_families(view) + kernel_families(view)
+
+        def scratch_text() -> bytes:
+            view = book.view()
+            return render_families(allocation_families(view)) + self._kernel_text.render(view)
+
         return [
             Source("build", lambda: [build_info(s.agent_id)], lambda: 0),
-            Source("scratch", lambda: allocation_families(book.view()), lambda: book.version),
+            Source("scratch", scratch, lambda: book.version, scratch_text),
             Source("watcher", lambda: watcher_families(watcher.status()), watcher.status),
             Source("telemetry", telemetry, lambda: (book.version, self._sampler_version())),
             # Headroom depends on the inventory (capacity, MIG layout), not on each sample's readings.

@@ -8,16 +8,21 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
 from exporter.allocation import AllocationBook
 from exporter.collector import (
     ExporterCollector,
+    KernelText,
     Source,
     allocation_families,
     build_info,
     collector_status,
+    kernel_families,
+    render_families,
     watcher_families,
 )
 from exporter.scratch import Scanner, ScanStats
@@ -37,7 +42,7 @@ def render(tree: Path, status: WatcherStatus = STATUS) -> bytes:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(ExporterCollector([
         Source("build", lambda: [build_info("agent-1")], lambda: 0),
-        Source("scratch", lambda: allocation_families(book.view()) + watcher_families(status), lambda: 0),
+        Source("scratch", lambda: allocation_families(book.view()) + kernel_families(book.view()) + watcher_families(status), lambda: 0),
     ]))
     return generate_latest(registry)
 
@@ -110,3 +115,21 @@ def test_render_reuses_unchanged_parts_and_merges_status_families() -> None:
     assert gzip.decompress(collector.render(gzipped=True)) == second
     result = subprocess.run(["promtool", "check", "metrics"], input=second, capture_output=True)
     assert result.returncode == 0, result.stderr.decode()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.text(min_size=1, max_size=8), st.text(min_size=1, max_size=8),
+                          st.sampled_from(["cuda.shares", "cuda.mem", "rocm.device", "cuda.device:1g.10gb-mig"]),
+                          st.decimals(min_value=0, max_value=10**12, places=2)), max_size=12))
+def test_kernel_text_equals_prometheus_client_output(rows) -> None:
+    """The cached encoder must write exactly what generate_latest writes, hostile ids included."""
+    from exporter.resources import Allocation, ResourceSpec
+
+    book = AllocationBook(clock=lambda: 0.0)
+    for kernel_id, device_id, slot, amount in rows:
+        book.apply(kernel_id + '"\\\n', "/r", ResourceSpec((Allocation(slot, device_id + '"\\\n', amount),), (), None))
+    text = KernelText()
+    assert text.render(book.view()) == render_families(kernel_families(book.view()))
+    if rows:  # and after a change, from the cache
+        book.remove(rows[0][0] + '"\\\n')
+        assert text.render(book.view()) == render_families(kernel_families(book.view()))
