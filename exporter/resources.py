@@ -124,18 +124,30 @@ def parse_binary_size(text: str) -> int:
     number = _decimal(value)
     if scale == 1 and number != number.to_integral_value():
         raise ValueError(f"fractional byte count {text!r}")
-    return int(number * scale)
+    return int(_bounded(number * scale, text))
 
 
 def _decimal(text: str) -> Decimal:
     try:
         number = Decimal(text)
     except InvalidOperation:
-        raise ValueError(f"not a number: {text!r}") from None
+        raise ValueError(f"not a number: {_clip(text, 40)!r}") from None
     if not number.is_finite():
-        raise ValueError(f"not a finite number: {text!r}")
+        raise ValueError(f"not a finite number: {_clip(text, 40)!r}")
     if number < 0:
-        raise ValueError(f"negative amount {text!r}")
+        raise ValueError(f"negative amount {_clip(text, 40)!r}")
+    return _bounded(number, text)
+
+
+# Amounts stay exact in Decimal's default 28-digit context only while they are bounded: at most
+# 10**18 (an exabyte; far beyond any count) with at most 9 decimal places.
+_MAX_AMOUNT = Decimal(10) ** 18
+_MIN_EXPONENT = -9
+
+
+def _bounded(number: Decimal, text: str) -> Decimal:
+    if number > _MAX_AMOUNT or number.as_tuple().exponent < _MIN_EXPONENT:
+        raise ValueError(f"amount out of range: {_clip(text, 40)!r}")
     return number
 
 
@@ -152,8 +164,11 @@ def _parse_amount(is_bytes: bool, text: str) -> Decimal:
     if is_bytes:
         try:
             return Decimal(parse_binary_size(text))
-        except ValueError:
-            return _decimal(text)
+        except ValueError as exc:
+            try:
+                return _decimal(text)
+            except ValueError:
+                raise exc from None
     try:
         return _decimal(text)
     except ValueError as exc:
@@ -186,7 +201,8 @@ def parse_resource(text: str, source: str = "<resource.txt>") -> ResourceSpec | 
         key, sep, value = line.partition("=")
         key = key.strip()
         if not sep or not key:
-            raise ResourceParseError(source, lineno, f"expected KEY=VALUE, got {_clip(line)!r}")
+            # Never quote the line: it may be the tail of a MOUNTS host path (a path with a newline).
+            raise ResourceParseError(source, lineno, f"not a KEY=VALUE line ({len(line)} characters)")
         if key == "CID":
             container_id = value.strip() or None
         elif key.endswith(_SHARES_SUFFIX) and len(key) > len(_SHARES_SUFFIX):
@@ -220,6 +236,8 @@ def _parse_slots(source: str, lineno: int, value: str) -> tuple[tuple[str, Decim
         obj = json.loads(value)
     except ValueError as exc:
         raise ResourceParseError(source, lineno, f"SLOTS is not valid JSON ({exc.msg})") from None
+    except RecursionError:
+        raise ResourceParseError(source, lineno, "SLOTS is nested too deeply") from None
     if not isinstance(obj, dict):
         raise ResourceParseError(source, lineno, "SLOTS is not a JSON object")
     out = []
@@ -238,6 +256,8 @@ def _parse_unified(source: str, lineno: int, value: str) -> tuple[tuple[str, str
         obj = json.loads(value or "[]")
     except ValueError as exc:
         raise ResourceParseError(source, lineno, f"UNIFIED_DEVICES is not valid JSON ({exc.msg})") from None
+    except RecursionError:
+        raise ResourceParseError(source, lineno, "UNIFIED_DEVICES is nested too deeply") from None
     if not isinstance(obj, list) or not all(
         isinstance(p, list) and len(p) == 2 and all(isinstance(s, str) for s in p) for p in obj
     ):

@@ -34,8 +34,15 @@ DEFAULT_MAX_BYTES = 1 << 20  # a real file is ~1 KiB; 1 MiB leaves room for 10,0
 
 
 def is_kernel_name(name: str) -> bool:
-    """Kernel directories are named by kernel id; skip the agent's siblings and hidden entries."""
-    return not (name.startswith(".") or name.endswith("_tmp") or name.endswith(".img") or name == "lost+found")
+    """Kernel directories are named by kernel id; skip the agent's siblings, hidden entries, and
+    names that are not UTF-8 (no kernel id is, and they could not be a label value)."""
+    if name.startswith(".") or name.endswith(("_tmp", ".img")) or name == "lost+found":
+        return False
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:  # os.fsdecode's surrogate escapes
+        return False
+    return True
 
 
 def read_kernel(root: str, kernel_id: str, max_bytes: int = DEFAULT_MAX_BYTES):
@@ -66,6 +73,8 @@ def read_kernel(root: str, kernel_id: str, max_bytes: int = DEFAULT_MAX_BYTES):
         return parse_resource(text, path)
     except ResourceParseError as exc:
         return exc
+    except Exception as exc:  # a parser bug must cost one kernel, never the scan
+        return ResourceParseError(path, None, f"unparseable ({type(exc).__name__})")
 
 
 class _Refused(Exception):

@@ -258,7 +258,9 @@ class ScratchWatcher:
         poller.register(fd, select.POLLPRI | select.POLLERR)
         return fd
 
-    def _full_scan(self, *, force: bool) -> None:
+    def _full_scan(self, *, force: bool, recheck: bool = False) -> None:
+        """Rescan every root. ``recheck`` also re-arms watched kernels whose directory is now a
+        different inode (after a mount over the root)."""
         with self._lock:  # retried below: a watch limit may have been raised since
             self._degraded.pop("inotify", None)
         stats = []
@@ -271,7 +273,7 @@ class ScratchWatcher:
                 # replaces it (a mount-table event): a rescan only arms the ones without a watch.
                 with self._lock:
                     armed = {k for r, k in self._kernel_watch if r == root}
-                for kernel_id in self.scanner.book.known(root) - armed:
+                for kernel_id in self.scanner.book.known(root) - (set() if recheck else armed):
                     self._arm_kernel(root, kernel_id)
                 self._drop_vanished(root)
         with self._lock:
@@ -291,12 +293,10 @@ class ScratchWatcher:
         changed, self._mounts = points ^ self._mounts, points
         for root in self.roots:
             hit = {p for p in changed if p == root or p.startswith(root + os.sep)}
-            if not hit:
+            if root in hit:  # the root itself was (un)mounted: a different tree, rescan it whole
+                self._full_scan(force=False, recheck=True)
                 continue
-            self._arm_root(root)
-            kernels = self.scanner.book.known(root)
-            if root not in hit:
-                kernels &= {p[len(root) + 1 :].split(os.sep, 1)[0] for p in hit}
+            kernels = self.scanner.book.known(root) & {p[len(root) + 1 :].split(os.sep, 1)[0] for p in hit}
             for kernel_id in kernels:
                 if self._arm_kernel(root, kernel_id):
                     self.scanner.refresh(root, kernel_id)
