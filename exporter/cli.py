@@ -156,10 +156,19 @@ def serve(settings: Settings, *, allow_missing_root: bool = False, on_ready=None
     from exporter.app import Exporter
     from exporter.server import HttpServer
 
+    from exporter.webconfig import WebConfigError, WebConfigSource
+
     _check_roots(settings, allow_missing_root)
     host, port = parse_listen_address(settings.web_listen_address)
+    web_config = None
+    if settings.web_config_file is not None:
+        web_config = WebConfigSource(settings.web_config_file)
+        try:
+            web_config.load()  # unknown keys, bad hashes, unreadable certificates: exit 2
+        except WebConfigError as exc:
+            raise ConfigError(str(exc).replace("\n", " ")) from None
     exporter = Exporter(settings)
-    server = HttpServer(exporter.handle, host, port)
+    server = HttpServer(exporter.handle, host, port, web_config=web_config)
     try:
         server.start()
     except OSError as exc:
@@ -173,7 +182,8 @@ def serve(settings: Settings, *, allow_missing_root: bool = False, on_ready=None
     try:
         exporter.start()
         shown = f"[{host}]" if ":" in host else (host or "0.0.0.0")
-        log.info("serving on http://%s:%d/metrics (scratch roots: %s)", shown, server.port,
+        scheme = "https" if server.tls else "http"
+        log.info("serving on %s://%s:%d/metrics (scratch roots: %s)", scheme, shown, server.port,
                  ", ".join(map(str, settings.scratch_roots)))
         if on_ready:
             on_ready(exporter, server)
