@@ -216,18 +216,7 @@ def load_web_config(path: str | os.PathLike[str]) -> WebConfig:
     :raises WebConfigError: one line, naming the file.
     """
     path = os.path.abspath(os.fspath(path))
-    try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_FILE_BYTES + 1)
-    except OSError as exc:
-        raise WebConfigError(f"web config {path}: {exc.strerror or exc}") from None
-    if len(data) > MAX_FILE_BYTES:
-        raise WebConfigError(f"web config {path}: larger than {MAX_FILE_BYTES} bytes")
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise WebConfigError(f"web config {path}: not UTF-8 text") from None
-    config = parse_web_config(text, path)
+    config = parse_web_config(_read(path), path)
     _context_for(config)  # certificates, CA and cipher names must load now, not at the first handshake
     return config
 
