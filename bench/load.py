@@ -117,10 +117,11 @@ def run_load(root: Path, *, kernels: int = 1000, scrapers: int = 50, rate: float
     threads = [threading.Thread(target=scraper, args=(i,), name=f"scraper-{i}") for i in range(scrapers)]
     cpu0 = ex.cpu_seconds()
     t0 = time.perf_counter()
-    for t in threads:
+    samples.append((0.0, ex.rss_bytes(), ex.threads(), 0.0))
+    for t in threads:  # with 50 busy scrapers the loop below may get the GIL rarely: sample before and after too
         t.start()
     try:
-        next_sample = t0
+        next_sample = t0 + sample_every
         while time.perf_counter() - t0 < duration:
             now = time.perf_counter()
             if kill9_at is not None and not killed.is_set() and now - t0 >= kill9_at:
@@ -131,6 +132,8 @@ def run_load(root: Path, *, kernels: int = 1000, scrapers: int = 50, rate: float
                 samples.append((now - t0, ex.rss_bytes(), ex.threads(), ex.cpu_seconds() - cpu0))
                 next_sample += sample_every
             time.sleep(min(0.05, max(0.0, next_sample - time.perf_counter())))
+        if not killed.is_set():
+            samples.append((time.perf_counter() - t0, ex.rss_bytes(), ex.threads(), ex.cpu_seconds() - cpu0))
     finally:
         out, _ = writer.communicate(timeout=duration + 60)
         churn_seconds = time.perf_counter() - t0
