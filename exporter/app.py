@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
 
-from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 
 from exporter import __version__
@@ -153,8 +152,6 @@ class Exporter:
         self._ready = threading.Event()
         self._kernel_text = KernelText()
         self.collector = ExporterCollector(self._sources())
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(self.collector)
         self._routes: dict[str, Callable[[Request], Response]] = {
             "/": self._landing,
             "/metrics": self._metrics,

@@ -382,22 +382,14 @@ def test_fuzz_near_valid_files_render_and_round_trip(text: str) -> None:
     _check_outcome(result, text)
     if not isinstance(result, ResourceSpec):
         return
-    from prometheus_client import CollectorRegistry, generate_latest
-
-    from exporter.collector import allocation_families
+    from exporter.collector import KernelText, allocation_families, render_families
 
     book = AllocationBook(clock=lambda: 0.0)
     book.apply("k1", "/r", result)
     book.apply("k2", "/r", result)
     view = book.view()
-
-    class C:
-        def collect(self):
-            return allocation_families(view)
-
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(C())
-    exposition = generate_latest(registry).decode()
+    # What /metrics serves: the device families and the cached per-kernel text.
+    exposition = (render_families(allocation_families(view)) + KernelText().render(view)).decode()
     labels = labels_in(exposition)
     accelerator = {a.device_id for a in result.allocations if "." in a.slot}
     assert labels.get("device_id", set()) >= accelerator
