@@ -44,7 +44,7 @@ def resource_text(allocs: dict[str, Decimal], cid: str | None = None) -> str:
     """A current-format resource.txt holding ``cuda.shares`` amounts on devices."""
     total = sum(allocs.values(), Decimal(0))
     lines = ["SCRATCH_SIZE=0m", "MOUNTS=/var/lib/backend.ai/krunner:/opt/kernel:ro",
-             'SLOTS={"cpu":"2","mem":"4294967296","cuda.shares":"%s"}' % total, "UNIFIED_DEVICES=[]"]
+             f'SLOTS={{"cpu":"2","mem":"4294967296","cuda.shares":"{total}"}}', "UNIFIED_DEVICES=[]"]
     if allocs:
         lines.append("CUDA.SHARES_SHARES=" + ",".join(f"{d}:{a}" for d, a in allocs.items()))
     lines += ["CPU_SHARES=0:1,1:1", "MEM_SHARES=root:4g"]

@@ -35,7 +35,7 @@ import sys
 import tempfile
 import threading
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from decimal import Decimal
 from pathlib import Path
 
@@ -84,7 +84,7 @@ class NodeExporter:
                 return
             except OSError:
                 if time.monotonic() > deadline or self.proc.poll() is not None:
-                    raise RuntimeError("node_exporter did not start")
+                    raise RuntimeError("node_exporter did not start") from None
                 time.sleep(0.05)
 
     def stop(self) -> None:
@@ -535,7 +535,7 @@ def main(argv: list[str] | None = None) -> int:
     raw = args.json or results_dir / ("quick.json" if quick else "full.json")
     command = "python bench/run.py" + (" --quick" if quick else "")
     started = time.perf_counter()
-    r: dict = {"started": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "quick": quick, "machine": machine(),
+    r: dict = {"started": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"), "quick": quick, "machine": machine(),
                "revision": revision(),
                "latency": {}, "events": {}, "churn": []}
     rounds = 60 if quick else 300

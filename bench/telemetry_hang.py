@@ -26,9 +26,9 @@ from fake_nvml import FakeNvml  # noqa: E402
 
 from exporter.app import Exporter  # noqa: E402
 from exporter.demo import write_kernel  # noqa: E402
-from exporter.nvml import NvmlSource  # noqa: E402
-from exporter.server import HttpServer  # noqa: E402
 from exporter.settings import Settings  # noqa: E402
+from exporter.telemetry.nvml import NvmlSource  # noqa: E402
+from exporter.web.server import HttpServer  # noqa: E402
 
 
 def scrape(port: int, n: int) -> list[float]:

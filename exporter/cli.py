@@ -22,6 +22,7 @@ from typing import Any
 
 from exporter import __version__
 from exporter.settings import ENV_PREFIX, ConfigError, Settings, parse_listen_address
+from exporter.telemetry.model import SourceConfigError
 
 __all__ = ["main", "run"]
 
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         if command == "simulate":
             return _simulate(settings, extra["cmd_request"], extra["cmd_policy"], extra["cmd_state"], extra["cmd_output"])
         return serve(settings, allow_missing_root=extra["cmd_allow_missing_root"])
-    except ConfigError as exc:
+    except (ConfigError, SourceConfigError) as exc:
         print(f"gpu-alloc-exporter: {exc}", file=sys.stderr)
         return 2
 
@@ -98,7 +99,7 @@ def build_parser(command: str) -> argparse.ArgumentParser:
     if command in ("scan", "simulate"):
         parser.add_argument("--output", dest="cmd_output", choices=["table", "json"], default="table")
     if command == "simulate":
-        from exporter.placement import Policy
+        from exporter.analysis.placement import Policy
 
         parser.add_argument("--request", dest="cmd_request", required=True, metavar="SLOT=AMOUNT",
                             help="e.g. cuda.shares=1.5, cuda.device=2 or cuda.device:1g.10gb-mig=1")
@@ -154,9 +155,8 @@ def _check_roots(settings: Settings, allow_missing: bool) -> None:
 def serve(settings: Settings, *, allow_missing_root: bool = False, on_ready=None, stop: threading.Event | None = None) -> int:
     """Run the exporter until SIGTERM/SIGINT (or ``stop`` is set)."""
     from exporter.app import Exporter
-    from exporter.server import HttpServer
-
-    from exporter.webconfig import WebConfigError, WebConfigSource
+    from exporter.web.server import HttpServer
+    from exporter.web.webconfig import WebConfigError, WebConfigSource
 
     _check_roots(settings, allow_missing_root)
     host, port = parse_listen_address(settings.web_listen_address)
@@ -196,9 +196,9 @@ def serve(settings: Settings, *, allow_missing_root: bool = False, on_ready=None
 
 
 def _scan(settings: Settings, output: str) -> int:
-    from exporter.allocation import AllocationBook
-    from exporter.app import state_document
-    from exporter.scratch import Scanner
+    from exporter.scratch.allocation import AllocationBook
+    from exporter.scratch.reader import Scanner
+    from exporter.web.routes import state_document
 
     _check_roots(settings, allow_missing=False)
     book = AllocationBook()
@@ -215,7 +215,7 @@ def _scan(settings: Settings, output: str) -> int:
 
 def _simulate(settings: Settings, request: str, policy: str, state_file: str | None, output: str) -> int:
     """Exit 0 when the request would be placed, 1 when it would be rejected, 2 on bad input."""
-    from exporter import simulate as sim
+    from exporter.analysis import simulate as sim
 
     try:
         if state_file:
@@ -245,7 +245,7 @@ def _live_node_state(settings: Settings):
 
 def format_table(view) -> str:
     """Human-readable allocation: devices first, then kernels that are not ok."""
-    from exporter.allocation import KernelState
+    from exporter.scratch.allocation import KernelState
 
     lines = [f"{'DEVICE':<48} {'SLOT':<28} {'ALLOCATED':>14}"]
     for (device_id, slot), amount in sorted(view.device_totals.items()):
@@ -265,7 +265,7 @@ def format_table(view) -> str:
 
 def _demo(settings: Settings, directory: str | None) -> int:
     from exporter.demo import build_demo_tree
-    from exporter.mock_source import DEMO_DEVICES_FILE
+    from exporter.telemetry.mock import DEMO_DEVICES_FILE
 
     base = Path(directory) if directory else Path(tempfile.mkdtemp(prefix="gpu-alloc-demo-"))
     root, cgroups = base / "scratches", base / "cgroup"

@@ -66,7 +66,7 @@ def write_kernel(
 
 
 def _bytes(size: str) -> int:
-    from exporter.resources import parse_binary_size
+    from exporter.units import parse_binary_size
 
     return parse_binary_size(size)
 

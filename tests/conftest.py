@@ -33,15 +33,3 @@ def _no_thread_leaks():
             return
         time.sleep(0.01)
     pytest.fail(f"leaked threads: {[t.name for t in leaked]}")
-
-
-def wait_for(predicate, timeout: float = 5.0, interval: float = 0.005):
-    """Poll until ``predicate()`` is truthy; returns its value or fails after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"condition not met within {timeout}s")
-        time.sleep(interval)

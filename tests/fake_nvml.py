@@ -33,7 +33,7 @@ from typing import Any
 
 import pynvml
 
-from exporter.mig_geometry import BUILTIN_TABLES, GpuInstance, creatable_instances
+from exporter.telemetry.mig import BUILTIN_TABLES, GpuInstance, creatable_instances
 
 GIB = 1024**3
 MIB = 1024**2
@@ -110,7 +110,7 @@ class _Return(Exception):
         self.code = code
 
 
-# What NVML reports of a GPU-instance profile beyond its geometry (exporter.mig_geometry):
+# What NVML reports of a GPU-instance profile beyond its geometry (exporter.telemetry.mig):
 # the NVML_GPU_INSTANCE_PROFILE_* index by profile ID, and (MiB, SMs) as `nvidia-smi mig -lgip` lists them.
 _PROFILE_INDEX = {19: 0, 20: 7, 15: 9, 14: 1, 9: 2, 5: 3, 0: 4}
 _PROFILE_SIZES = {
@@ -194,7 +194,7 @@ class FakeGpu:
     clocks_supported: int = 0x1FF
     processes: list[tuple[int, int]] = field(default_factory=list)
     process_sm: dict[int, int] = field(default_factory=dict)  # pid -> SM % of its latest sample
-    mig_sku: str | None = None  # a key of exporter.mig_geometry.BUILTIN_TABLES; None: not MIG-capable
+    mig_sku: str | None = None  # a key of exporter.telemetry.mig.BUILTIN_TABLES; None: not MIG-capable
     mig_current: bool = False
     mig_pending: bool = False
     gis: list[FakeGi] = field(default_factory=list)

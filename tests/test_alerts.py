@@ -6,14 +6,12 @@ import copy
 import json
 import re
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
 
 import monitoring_checks as mc  # noqa: E402
 

@@ -15,9 +15,9 @@ from decimal import Decimal
 from pathlib import Path
 
 import pytest
-
 from backendai_reference import scan_gpu_alloc_map
-from conftest import wait_for
+from helpers import wait_for
+
 from exporter.cli import main
 from exporter.demo import write_kernel
 
@@ -222,7 +222,7 @@ def test_simulate_on_a_saved_state_reproduces_the_evenly_allocator(tmp_path: Pat
 
 def test_simulate_live_and_over_http(tmp_path: Path, capsys) -> None:
     from exporter.demo import build_demo_tree
-    from exporter.mock_source import DEMO_DEVICES_FILE
+    from exporter.telemetry.mock import DEMO_DEVICES_FILE
 
     build_demo_tree(tmp_path / "s")
     argv = ["--scratch.root", str(tmp_path / "s"), "--telemetry.source", "mock", "--telemetry.mock-file", str(DEMO_DEVICES_FILE)]

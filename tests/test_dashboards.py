@@ -11,15 +11,12 @@ import copy
 import json
 import os
 import re
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
-sys.path.insert(0, str(ROOT / "dashboards" / "src"))
 
 import dashboard_schema  # noqa: E402
 import monitoring_checks as mc  # noqa: E402

@@ -22,7 +22,6 @@ from __future__ import annotations
 import copy
 import json
 import shutil
-import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from decimal import Decimal
@@ -30,13 +29,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from e2e.harness import Alertmanager, Exporter, Prometheus, PromQLError, StaticExpositions, Webhook, e2e_rules, wait_until
 
-from e2e.harness import Alertmanager, Exporter, PromQLError, Prometheus, StaticExpositions, Webhook, e2e_rules, wait_until
 from exporter.demo import build_demo_tree, demo_devices, write_kernel
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
-sys.path.insert(0, str(ROOT / "dashboards" / "src"))
 
 import monitoring_checks as mc  # noqa: E402
 from gpu_alloc_dashboards import expected_empty  # noqa: E402

@@ -35,14 +35,14 @@ from decimal import Decimal
 from pathlib import Path
 
 import pytest
+from helpers import wait_for
 from prometheus_client.parser import text_string_to_metric_families
 from watchdog.observers.inotify_c import InotifyFD
 
-from conftest import wait_for
 from exporter.app import Exporter
 from exporter.demo import write_kernel
-from exporter.server import HttpServer
 from exporter.settings import Settings
+from exporter.web.server import HttpServer
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -294,7 +294,7 @@ def test_tmpfs_mounted_over_the_root_is_noticed_at_once(tmp_path: Path) -> None:
 @contextlib.contextmanager
 def between_chunks(target: Path, action) -> Iterator[list[bool]]:
     """Run ``action()`` after the first chunk the scanner reads from ``target`` (once)."""
-    from exporter import scratch
+    from exporter.scratch import reader as scratch
 
     real_read = os.read
     fired = [False]

@@ -1,5 +1,5 @@
 """Hostile input: the corpus in tests/fixtures/hostile/ (one kernel per case, see its README) and
-hypothesis fuzzing of ``exporter.resources.parse_resource``.
+hypothesis fuzzing of ``exporter.scratch.resources.parse_resource``.
 
 For every case: no crash, bounded time, the expected per-kernel state, one warning naming the file
 and the reason (invalid files only; none again on a rescan), two canary kernels unaffected, every
@@ -34,12 +34,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from exporter.allocation import AllocationBook
 from exporter.app import Exporter
-from exporter.resources import Pending, ResourceParseError, ResourceSpec, parse_resource
-from exporter.scratch import DEFAULT_MAX_BYTES
-from exporter.server import Request
+from exporter.scratch.allocation import AllocationBook
+from exporter.scratch.reader import DEFAULT_MAX_BYTES
+from exporter.scratch.resources import Pending, ResourceParseError, ResourceSpec, parse_resource
 from exporter.settings import Settings
+from exporter.web.server import Request
 
 CORPUS = Path(__file__).parent / "fixtures" / "hostile"
 CASES = sorted(p for p in CORPUS.iterdir() if p.is_dir())
@@ -382,7 +382,8 @@ def test_fuzz_near_valid_files_render_and_round_trip(text: str) -> None:
     _check_outcome(result, text)
     if not isinstance(result, ResourceSpec):
         return
-    from exporter.collector import KernelText, allocation_families, render_families
+    from exporter.metrics.allocation import KernelText, allocation_families
+    from exporter.metrics.registry import render_families
 
     book = AllocationBook(clock=lambda: 0.0)
     book.apply("k1", "/r", result)
@@ -465,7 +466,7 @@ def _unprivileged_python(repo: Path) -> tuple[list[str], dict] | None:
     candidates = [p for p in ("/usr/bin/python3",) if os.path.exists(p)] + [os.path.realpath(sys.executable)]
     for python in candidates:
         cmd = [setpriv, "--reuid", "65534", "--regid", "65534", "--clear-groups", "--inh-caps=-all", "--no-new-privs", python]
-        probe = subprocess.run([*cmd, "-c", "import sys, exporter.cli, exporter.app, exporter.server; print(sys.version_info[:2])"],
+        probe = subprocess.run([*cmd, "-c", "import sys, exporter.cli, exporter.app, exporter.web.server; print(sys.version_info[:2])"],
                                env=env, capture_output=True, cwd="/", timeout=60, text=True)
         if probe.returncode == 0 and probe.stdout.strip() == str(sys.version_info[:2]):
             return cmd, env
@@ -503,7 +504,7 @@ def test_runs_as_nobody_reads_only_and_exports_no_secret() -> None:
         (root / "unreadable-file" / "config" / "resource.txt").chmod(0o000)
         _secret_kernel(root, "unreadable-dir", "0.5")
         (root / "unreadable-dir" / "config").chmod(0o700)
-        for dirpath, dirnames, filenames in os.walk(root):
+        for dirpath, _dirnames, filenames in os.walk(root):
             if not dirpath.endswith("unreadable-dir/config"):
                 os.chmod(dirpath, 0o755)
             for f in filenames:

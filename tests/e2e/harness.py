@@ -28,7 +28,6 @@ from typing import Any
 import yaml
 
 
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

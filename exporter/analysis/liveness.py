@@ -1,0 +1,146 @@
+"""Stale kernels: scratch directories that no longer belong to a running container.
+
+Nothing sweeps the scratch root (backendai-scratch.md §4): a container removed out of band, a
+failed creation or a cleanup race leaves a directory whose ``resource.txt`` still claims devices.
+A kernel is judged by the last ``CID=`` of its file against the host's cgroup tree, where every
+running container has a directory:
+
+* cgroup v2, systemd driver: ``system.slice/docker-<cid>.scope``; cgroupfs driver: ``docker/<cid>``;
+* cgroup v1: the same below a controller (``memory/system.slice/docker-<cid>.scope``,
+  ``memory/docker/<cid>``);
+* Kubernetes: ``kubepods.slice/…/cri-containerd-<cid>.scope`` (also ``crio-``, ``docker-``),
+  ``kubepods/<qos>/pod<uid>/<cid>``; Podman: ``libpod-<cid>.scope``.
+
+:func:`scan_cgroups` is the only I/O: it walks the tree once and collects every container id it
+sees. :func:`classify` is pure and never says "stale" on a guess: when the tree does not show the
+host's containers (a private cgroup namespace) the answer is "unknown". A container between
+``docker create`` and ``start`` has no cgroup yet, so a kernel younger than the grace age is live.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+
+from exporter.scratch.allocation import Kernel, KernelState
+
+__all__ = [
+    "CgroupScan",
+    "KernelLiveness",
+    "Liveness",
+    "classify",
+    "classify_kernels",
+    "container_id_of",
+    "scan_cgroups",
+]
+
+# Directories under the cgroup root (v2) or a v1 controller that only a host-wide view shows; a
+# container with its own cgroup namespace sees none of them.
+_HOST_MARKERS = ("system.slice", "docker", "kubepods", "kubepods.slice", "machine.slice", "user.slice", "init.scope")
+# v1 controllers to read, in order of preference; any one has every container.
+_V1_CONTROLLERS = ("memory", "pids", "cpu,cpuacct", "cpuacct", "devices", "systemd")
+# docker-<id>.scope, cri-containerd-<id>.scope, crio-<id>.scope, libpod-<id>.scope or a bare id.
+_CONTAINER_DIR = re.compile(r"^(?:(?:docker|cri-containerd|containerd|crio|libpod)-)?([0-9a-f]{64})(?:\.scope)?$")
+_MAX_DEPTH = 8  # kubepods.slice/kubepods-burstable.slice/…-pod<uid>.slice/cri-containerd-<id>.scope is 4 deep
+
+
+class Liveness(str, Enum):
+    LIVE = "live"
+    STALE = "stale"
+    UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True, slots=True)
+class KernelLiveness:
+    """A verdict and why: live ``container-running`` / ``starting``; stale ``container-gone`` /
+    ``pending-too-long`` / ``no-container-id``; unknown ``cgroup-not-visible``."""
+
+    status: Liveness
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class CgroupScan:
+    """What one walk of the cgroup tree showed.
+
+    :param visible: the tree shows the host's containers (a host marker directory exists).
+    :param container_ids: 64-hex ids of every container cgroup found.
+    :param layout: ``v2``, ``v1:<controller>`` or ``none``.
+    """
+
+    visible: bool
+    container_ids: frozenset[str]
+    layout: str
+
+
+def container_id_of(name: str) -> str | None:
+    """The container id a cgroup directory name stands for, or None."""
+    m = _CONTAINER_DIR.match(name)
+    return m.group(1) if m else None
+
+
+def scan_cgroups(root: str | os.PathLike[str]) -> CgroupScan:
+    """Walk the cgroup tree below ``root`` (``--path.cgroupfs``, normally ``/sys/fs/cgroup``).
+
+    Unreadable directories are skipped; an unreadable root gives ``visible=False``.
+    """
+    root = Path(root)
+    if (root / "cgroup.controllers").is_file():
+        base, layout = root, "v2"
+    else:
+        found = next((c for c in _V1_CONTROLLERS if (root / c).is_dir()), None)
+        if found is None:
+            return CgroupScan(False, frozenset(), "none")
+        base, layout = root / found, f"v1:{found}"
+    visible = any((base / marker).is_dir() for marker in _HOST_MARKERS)
+    return CgroupScan(visible, frozenset(_walk(base, 0)), layout)
+
+
+def _walk(directory: Path, depth: int) -> set[str]:
+    ids: set[str] = set()
+    try:
+        entries = [e for e in os.scandir(directory) if e.is_dir(follow_symlinks=False)]
+    except OSError:
+        return ids
+    for entry in entries:
+        cid = container_id_of(entry.name)
+        if cid is not None:
+            ids.add(cid)  # its sub-cgroups belong to the container: no need to descend
+        elif depth < _MAX_DEPTH:
+            ids |= _walk(Path(entry.path), depth + 1)
+    return ids
+
+
+def classify(kernel: Kernel, scan: CgroupScan, now: float, grace_seconds: float) -> KernelLiveness:
+    """Judge one kernel.
+
+    :param now: unix time in seconds (injected clock).
+    :param grace_seconds: how long a kernel may stay pending, or run without a visible container,
+        before it counts as stale.
+    """
+    young = now - kernel.since <= grace_seconds
+    if kernel.state is KernelState.PENDING:
+        return (
+            KernelLiveness(Liveness.LIVE, "starting") if young else KernelLiveness(Liveness.STALE, "pending-too-long")
+        )
+    cid = (kernel.container_id or "").lower()
+    if not cid:
+        return KernelLiveness(Liveness.LIVE, "starting") if young else KernelLiveness(Liveness.STALE, "no-container-id")
+    if not scan.visible:
+        return KernelLiveness(Liveness.UNKNOWN, "cgroup-not-visible")
+    if cid in scan.container_ids or (len(cid) < 64 and any(c.startswith(cid) for c in scan.container_ids)):
+        return KernelLiveness(Liveness.LIVE, "container-running")
+    if young:
+        return KernelLiveness(Liveness.LIVE, "starting")
+    return KernelLiveness(Liveness.STALE, "container-gone")
+
+
+def classify_kernels(
+    kernels: Mapping[str, Kernel], scan: CgroupScan, now: float, grace_seconds: float
+) -> dict[str, KernelLiveness]:
+    """:func:`classify` for every kernel of a view (``AllocationView.kernels``)."""
+    return {kid: classify(k, scan, now, grace_seconds) for kid, k in kernels.items()}

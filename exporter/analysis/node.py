@@ -1,0 +1,308 @@
+"""The node's allocatable state: inventory from telemetry, devices per slot with capacity and
+allocation, and the headroom settings. The input of the headroom figures and of ``simulate``.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from decimal import Decimal
+from typing import Any
+
+from exporter.analysis.attribution import AttributionResult
+from exporter.analysis.capacity import CapacityConfig, GpuInventory, device_capacity, is_fractional_slot, is_mig_slot
+from exporter.analysis.headroom import SlotHeadroom, summarize
+from exporter.analysis.liveness import CgroupScan, KernelLiveness, Liveness
+from exporter.analysis.placement import DeviceFree, Links, NoFragRule, Request
+from exporter.scratch.allocation import AllocationView
+from exporter.telemetry.devices import DeviceResolver
+from exporter.telemetry.mig import GpuInstance, HamiModel, MigProfile, MigTable, table_for_product
+from exporter.telemetry.model import DeviceReading, TelemetrySnapshot
+
+__all__ = [
+    "DEFAULT_REQUESTS",
+    "Analysis",
+    "HeadroomParams",
+    "Inventory",
+    "MigInstanceDevice",
+    "MigLayout",
+    "NodeState",
+    "inventory_from_snapshot",
+    "inventory_of",
+    "live_state",
+    "node_state",
+]
+
+DEFAULT_REQUESTS = tuple(
+    Request.parse(r)
+    for r in (
+        "cuda.shares=0.5",
+        "cuda.shares=1",
+        "cuda.shares=2",
+        "cuda.shares=4",
+        "cuda.device=1",
+        "cuda.device=2",
+        "cuda.device=4",
+    )
+)
+_ONE = Decimal(1)
+
+
+@dataclass(frozen=True)
+class HeadroomParams:
+    """Settings the headroom figures depend on (see ``docs/headroom.md``).
+
+    :param capacity: the fractional plugin's ``unit_mem``/``unit_proc``/``quantum_size``.
+    :param mode: which slot whole GPUs are allocated as: ``fractional`` (``cuda.shares``),
+        ``discrete`` (``cuda.device``) or ``auto`` (``cuda.shares`` once any kernel holds shares,
+        else ``cuda.device``).
+    :param rule: the agent's fragmentation guard, for the ``disallowed`` figures.
+    :param requests: reference requests for ``gpu_alloc_request_fits``.
+    :param exclude_stale: leave stale kernels' allocations out of "allocated" (the agent rebuilds
+        its map from live containers only); they are always exported on their own.
+    :param hami: HAMi ``knownMigGeometries`` entries for ``gpu_alloc_mig_geometry_reachable``.
+    :param links: GPU pair scores for the ``besteffort`` what-if policy.
+    """
+
+    capacity: CapacityConfig = field(default_factory=CapacityConfig)
+    mode: str = "auto"
+    rule: NoFragRule = NoFragRule.MULTI_DEVICE
+    requests: tuple[Request, ...] = DEFAULT_REQUESTS
+    exclude_stale: bool = True
+    hami: tuple[HamiModel, ...] = ()
+    links: Links = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("auto", "fractional", "discrete"):
+            raise ValueError(f"mode must be auto, fractional or discrete, not {self.mode!r}")
+
+
+# --- inventory: what telemetry says is there ---------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class MigInstanceDevice:
+    """A MIG device the agent can hand out: its device id and MIG slot."""
+
+    device_id: str
+    slot: str
+
+
+@dataclass(frozen=True)
+class MigLayout:
+    """A MIG-enabled GPU's geometry: the table (NVML's profiles and possible placements, else the
+    built-in one), its GPU instances, and NVML's remaining capacity per profile when readable."""
+
+    device_id: str
+    product_name: str
+    table: MigTable
+    instances: tuple[GpuInstance, ...]
+    remaining: Mapping[str, int] | None = None
+
+
+@dataclass(frozen=True)
+class Inventory:
+    """Allocatable devices: whole GPUs (MIG off), MIG devices, and MIG layouts of MIG GPUs."""
+
+    gpus: tuple[GpuInventory, ...] = ()
+    mig_devices: tuple[MigInstanceDevice, ...] = ()
+    mig_layouts: tuple[MigLayout, ...] = ()
+
+
+def inventory_from_snapshot(snapshot: TelemetrySnapshot | None, resolver: DeviceResolver) -> Inventory:
+    """The :class:`Inventory` a telemetry snapshot shows, ids spelled by ``resolver`` (as the
+    agent writes them: ``resolver.label``)."""
+    if snapshot is None:
+        return Inventory()
+    gpus, migs, layouts = [], [], []
+    for reading in snapshot.devices:
+        device_id = resolver.label(reading)
+        if not reading.mig_mode_current:
+            gpus.append(GpuInventory(device_id, reading.memory_total_bytes, reading.multiprocessor_count))
+            continue
+        migs += [
+            MigInstanceDevice(resolver.label(m), f"cuda.device:{m.profile}-mig")
+            for m in reading.mig_devices
+            if m.profile
+        ]
+        layout = _mig_layout(reading, device_id)
+        if layout is not None:
+            layouts.append(layout)
+    return Inventory(tuple(gpus), tuple(migs), tuple(layouts))
+
+
+def _mig_layout(reading: DeviceReading, device_id: str) -> MigLayout | None:
+    # Never guess a geometry from MIG devices' memory sizes: no readable layout, no figure.
+    if reading.mig_layout_readable is False:
+        return None
+    product = reading.name or ""
+    capacity = reading.mig_profile_capacity
+    if capacity:
+        profiles = tuple(
+            MigProfile(
+                p.name,
+                p.profile_id,
+                p.placements[0].size,
+                p.slice_count,
+                p.instance_count,
+                tuple(pl.start for pl in p.placements),
+            )
+            for p in capacity
+            if p.placements
+        )
+        slices = max((pl.start + pl.size for p in capacity for pl in p.placements), default=0)
+        table = MigTable(product or "nvml", slices, profiles)
+        remaining = {p.name: p.remaining for p in capacity if p.remaining is not None}
+    else:
+        table, remaining = table_for_product(product), None
+        if table is None:
+            return None
+    instances = tuple(GpuInstance(gi.profile_id, gi.placement.start, gi.placement.size) for gi in reading.gpu_instances)
+    return MigLayout(device_id, product, table, instances, remaining or None)
+
+
+# --- node state: devices per slot with capacity and allocation ---------------------------------
+
+
+@dataclass(frozen=True)
+class NodeState:
+    """Each accelerator slot's devices (inventory order) with capacity and allocation, plus what
+    stale kernels hold. The input of headroom figures and of ``simulate``; JSON round-trips.
+
+    :param stale: (device id, slot) → amount held by stale kernels (already left out of
+        ``allocated`` when ``exclude_stale``).
+    """
+
+    slots: Mapping[str, tuple[DeviceFree, ...]]
+    quantum: Decimal = Decimal("0.01")
+    rule: NoFragRule = NoFragRule.MULTI_DEVICE
+    links: Links = field(default_factory=dict)
+    stale: Mapping[tuple[str, str], Decimal] = field(default_factory=dict)
+
+    def slot_quantum(self, slot: str) -> Decimal:
+        """The quantum of fractional slots; whole devices and MIG instances count in ones."""
+        return self.quantum if is_fractional_slot(slot) else _ONE
+
+    def summary(self, slot: str, devices: Sequence[DeviceFree] | None = None) -> SlotHeadroom:
+        """The headroom figures of ``slot``, on its current devices or on ``devices`` (the same
+        devices after a what-if placement)."""
+        rows = self.slots.get(slot, ()) if devices is None else devices
+        return summarize(rows, self.slot_quantum(slot), self.rule, unique=is_mig_slot(slot))
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready document (amounts as exact decimal strings); :meth:`from_json` reads it."""
+        return {
+            "quantum": str(self.quantum),
+            "nofrag_rule": self.rule.value,
+            "slots": {
+                slot: [
+                    {"device_id": d.device_id, "capacity": str(d.capacity), "allocated": str(d.allocated)}
+                    for d in devices
+                ]
+                for slot, devices in self.slots.items()
+            },
+            "links": [{"devices": sorted(pair), "score": score} for pair, score in self.links.items()],
+            "stale": [{"device_id": d, "slot": s, "allocated": str(v)} for (d, s), v in self.stale.items()],
+        }
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> NodeState:
+        """Read :meth:`to_json`'s document; raises ValueError on a malformed one."""
+        try:
+            slots = {
+                slot: tuple(
+                    DeviceFree(str(d["device_id"]), Decimal(str(d["capacity"])), Decimal(str(d["allocated"])))
+                    for d in devices
+                )
+                for slot, devices in doc["slots"].items()
+            }
+            links = {frozenset(map(str, link["devices"])): int(link["score"]) for link in doc.get("links", [])}
+            stale = {(str(s["device_id"]), str(s["slot"])): Decimal(str(s["allocated"])) for s in doc.get("stale", [])}
+            return cls(
+                slots,
+                Decimal(str(doc.get("quantum", "0.01"))),
+                NoFragRule(doc.get("nofrag_rule", "26.4")),
+                links,
+                stale,
+            )
+        except (KeyError, TypeError, AttributeError, ArithmeticError) as exc:
+            raise ValueError(f"not a node state document: {exc!r}") from None
+
+
+def node_state(
+    view: AllocationView,
+    inventory: Inventory,
+    params: HeadroomParams,
+    liveness: Mapping[str, KernelLiveness] | None = None,
+) -> NodeState:
+    """Devices per slot: inventory devices first (in order), then devices only allocations name.
+    Devices whose capacity is unknown (fractional slot without inventory or override) are left
+    out rather than guessed."""
+    stale: dict[tuple[str, str], Decimal] = defaultdict(Decimal)
+    for kernel_id, verdict in (liveness or {}).items():
+        kernel = view.kernels.get(kernel_id)
+        if verdict.status is Liveness.STALE and kernel is not None:
+            for a in kernel.allocations:
+                if (a.device_id, a.slot) in view.device_totals:  # accelerator slots only
+                    stale[(a.device_id, a.slot)] += a.amount
+
+    whole_gpu_slot = _whole_gpu_slot(view, params.mode)
+    members: dict[str, list[str]] = defaultdict(list)
+    members[whole_gpu_slot] = [g.device_id for g in inventory.gpus]
+    for m in inventory.mig_devices:
+        members[m.slot].append(m.device_id)
+    for device_id, slot in sorted(view.device_totals):
+        if device_id not in members[slot]:
+            members[slot].append(device_id)
+
+    gpus = {g.device_id: g for g in inventory.gpus}
+    slots: dict[str, tuple[DeviceFree, ...]] = {}
+    for slot, device_ids in members.items():
+        rows = []
+        for device_id in device_ids:
+            capacity = device_capacity(slot, device_id, gpus.get(device_id), params.capacity)
+            if capacity is None:
+                continue
+            allocated = view.device_totals.get((device_id, slot), Decimal(0))
+            if params.exclude_stale:
+                allocated -= stale.get((device_id, slot), Decimal(0))
+            rows.append(DeviceFree(device_id, capacity, allocated))
+        if rows:
+            slots[slot] = tuple(rows)
+    return NodeState(slots, params.capacity.quantum, params.rule, params.links, dict(stale))
+
+
+def live_state(
+    view: AllocationView,
+    snapshot: TelemetrySnapshot | None,
+    devices: DeviceResolver | Inventory,
+    params: HeadroomParams,
+    liveness: Mapping[str, KernelLiveness] | None = None,
+) -> NodeState:
+    """:func:`node_state` over what a telemetry snapshot shows: the state ``/api/v1/simulate``
+    and the ``simulate`` subcommand place requests on. ``devices`` as for :func:`headroom_families`."""
+    return node_state(view, inventory_of(snapshot, devices), params, liveness)
+
+
+def inventory_of(snapshot: TelemetrySnapshot | None, devices: DeviceResolver | Inventory) -> Inventory:
+    """``devices`` itself when it is an :class:`Inventory`, else what ``snapshot`` shows."""
+    return devices if isinstance(devices, Inventory) else inventory_from_snapshot(snapshot, devices)
+
+
+def _whole_gpu_slot(view: AllocationView, mode: str) -> str:
+    if mode == "fractional" or (mode == "auto" and any(slot == "cuda.shares" for _, slot in view.device_totals)):
+        return "cuda.shares"
+    return "cuda.device"
+
+
+@dataclass(frozen=True)
+class Analysis:
+    """What the analysis thread last published: the cgroup scan, each kernel's liveness and the
+    process attribution (immutable; replaced as a whole)."""
+
+    version: int = 0  # bumped on every analysis (attribution durations move every sample)
+    liveness_version: int = 0  # bumped only when liveness or cgroup visibility changed
+    cgroups: CgroupScan | None = None
+    liveness: Mapping[str, KernelLiveness] = field(default_factory=dict)
+    attribution: AttributionResult | None = None

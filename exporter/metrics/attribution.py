@@ -1,0 +1,104 @@
+"""Metric families for GPU process attribution, built fresh from one :class:`AttributionResult`.
+
+Measured use is its own family set, separate from allocation (``gpu_alloc_kernel_allocated``):
+device series are never copied per kernel, so summing a device's kernel and unattributed series
+gives what NVML listed on it. Values NVML cannot give are absent, never 0. Sample output::
+
+    gpu_alloc_kernel_memory_used_bytes{device_id="GPU-5d2c…",kernel_id="0b3f…"} 8.589934592e+09
+    gpu_alloc_device_unattributed_processes{device_id="GPU-5d2c…",reason="unknown_container"} 1
+
+PIDs are labels only in the opt-in per-process families (``attribution_process_detail``).
+"""
+
+from __future__ import annotations
+
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+from exporter.analysis.attribution import AttributionResult
+from exporter.metrics.status import collector_status
+
+__all__ = ["attribution_families"]
+
+_KERNEL = ["kernel_id", "device_id"]
+_UNATTRIBUTED = ["device_id", "reason"]
+_PROCESS = ["device_id", "pid", "kernel_id"]
+
+# Per kernel and device: (name, help, KernelDeviceUsage field); a None field leaves the series out.
+_KERNEL_FAMILIES = (
+    ("gpu_alloc_kernel_processes", "Compute processes of a kernel on a device (NVML process lists, attributed through /proc)", "processes"),
+    ("gpu_alloc_kernel_memory_used_bytes", "GPU memory used by a kernel's processes on a device, summed from NVML's per-process figures", "memory_used_bytes"),
+    (
+        "gpu_alloc_kernel_utilization_ratio",
+        "SM utilisation by a kernel's processes on a device (0-1), summed from NVML per-process samples and capped at 1; "
+        "absent where NVML cannot sample per process (MIG)",
+        "utilization_ratio",
+    ),
+    (
+        "gpu_alloc_kernel_idle_seconds",
+        "How long the kernel's utilisation of an allocated device has stayed below the idle threshold (0 while busy); "
+        "absent without per-process utilisation",
+        "idle_seconds",
+    ),
+    (
+        "gpu_alloc_kernel_no_process_seconds",
+        "How long the kernel has had no process on an allocated device (0 while it has one), at most since the exporter started",
+        "no_process_seconds",
+    ),
+)
+
+
+def _gauge(name: str, documentation: str, labels: list[str]) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, documentation, labels=labels)
+
+
+def attribution_families(result: AttributionResult | None, *, process_detail: bool = False) -> list[Metric]:
+    """Families for one result; None (no telemetry sample attributed yet) reports only failure.
+
+    :param process_detail: add per-process families labelled with ``pid`` (one series per GPU
+        process and device: for debugging, off by default).
+    """
+    if result is None:
+        return collector_status("attribution", False)
+    status = collector_status("attribution", True, result.duration_seconds)
+
+    kernel = [(_gauge(name, doc, _KERNEL), field) for name, doc, field in _KERNEL_FAMILIES]
+    breach = _gauge("gpu_alloc_kernel_isolation_breach", "1 if the kernel runs processes on a device it was not allocated, else 0", _KERNEL)
+    for usage in result.kernels:
+        labels = [usage.kernel_id, usage.device_id]
+        breach.add_metric(labels, 0 if usage.allocated else 1)
+        for family, field in kernel:
+            if (value := getattr(usage, field)) is not None:
+                family.add_metric(labels, value)
+
+    processes = _gauge(
+        "gpu_alloc_device_unattributed_processes",
+        "Compute processes on a device that belong to no kernel, by reason "
+        "(host, unknown_container, vanished, permission_denied, unreadable)",
+        _UNATTRIBUTED,
+    )
+    memory = _gauge("gpu_alloc_device_unattributed_memory_bytes", "GPU memory used by processes on a device that belong to no kernel, by reason", _UNATTRIBUTED)
+    for u in result.unattributed:
+        processes.add_metric([u.device_id, u.reason.value], u.processes)
+        if u.memory_used_bytes is not None:
+            memory.add_metric([u.device_id, u.reason.value], u.memory_used_bytes)
+
+    attributable = _gauge(
+        "gpu_alloc_device_utilization_attributable",
+        "1 if NVML samples utilisation per process on the device, so kernel utilisation is measured; 0 where it cannot be isolated (MIG)",
+        ["device_id"],
+    )
+    for device_id, ok in sorted(result.devices.items()):
+        attributable.add_metric([device_id], int(ok))
+
+    families = [*status, *(f for f, _ in kernel), breach, processes, memory, attributable]
+    if process_detail:
+        p_memory = _gauge("gpu_alloc_process_memory_used_bytes", "GPU memory used by one process (kernel_id empty when unattributed)", _PROCESS)
+        p_util = _gauge("gpu_alloc_process_utilization_ratio", "SM utilisation of one process (0-1) from NVML per-process samples", _PROCESS)
+        for p in result.processes:
+            labels = [p.device_id, str(p.pid), p.kernel_id or ""]
+            if p.memory_used_bytes is not None:
+                p_memory.add_metric(labels, p.memory_used_bytes)
+            if p.utilization_ratio is not None:
+                p_util.add_metric(labels, p.utilization_ratio)
+        families += [p_memory, p_util]
+    return families

@@ -1,0 +1,88 @@
+"""The exporter's collector parts: which families each concern contributes, and the token that
+says when they must be rendered again.
+
+The parts read a running node through :class:`NodeReader` (the app's ``Exporter`` satisfies it),
+so this layer depends on the data it renders, never on the wiring that produces it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Protocol
+
+from prometheus_client.core import Metric
+
+from exporter.analysis.node import Analysis, HeadroomParams, Inventory, inventory_from_snapshot
+from exporter.metrics.allocation import KernelText, allocation_families, kernel_families, unknown_device_families
+from exporter.metrics.attribution import attribution_families
+from exporter.metrics.exporter import build_info, watcher_families
+from exporter.metrics.headroom import headroom_families
+from exporter.metrics.registry import Part, render_families
+from exporter.metrics.telemetry import telemetry_families
+from exporter.scratch.allocation import AllocationBook, AllocationView
+from exporter.scratch.watcher import ScratchWatcher
+from exporter.telemetry.devices import DeviceResolver
+from exporter.telemetry.model import TelemetrySnapshot
+
+__all__ = ["NodeReader", "exporter_parts"]
+
+
+class NodeReader(Protocol):
+    """What the parts read of a running node; every attribute is a published, immutable result."""
+
+    book: AllocationBook
+    watcher: ScratchWatcher
+    analysis: Analysis
+    params: HeadroomParams
+
+    def snapshot(self) -> TelemetrySnapshot: ...
+
+    def sampler_version(self) -> int: ...
+
+    def resolver(self, view: AllocationView, snapshot: TelemetrySnapshot) -> DeviceResolver: ...
+
+
+def exporter_parts(node: NodeReader, *, agent_id: str | None, process_detail: bool) -> list[Part]:
+    """Each part with the token its output depends on (see :meth:`ExporterCollector.render`).
+
+    :param agent_id: the ``agent_id`` label of ``gpu_alloc_build_info``.
+    :param process_detail: export per-process attribution series (``--attribution.process-detail``).
+    """
+    book, watcher = node.book, node.watcher
+    kernel_text = KernelText()
+
+    def telemetry() -> list[Metric]:
+        view, snapshot = book.view(), node.snapshot()
+        resolver = node.resolver(view, snapshot)
+        return telemetry_families(snapshot, resolver) + unknown_device_families(view, snapshot, resolver)
+
+    def inventory() -> Inventory:
+        view, snapshot = book.view(), node.snapshot()
+        return inventory_from_snapshot(snapshot, node.resolver(view, snapshot))
+
+    def headroom() -> list[Metric]:
+        analysis = node.analysis
+        visible = analysis.cgroups.visible if analysis.cgroups else None
+        return headroom_families(book.view(), None, inventory(), node.params, analysis.liveness, visible)
+
+    def scratch() -> list[Metric]:
+        view = book.view()
+        return allocation_families(view) + kernel_families(view)
+
+    def scratch_text() -> bytes:
+        view = book.view()
+        return render_families(allocation_families(view)) + kernel_text.render(view)
+
+    def headroom_token() -> Hashable:
+        # Headroom depends on the inventory (capacity, MIG layout), not on each sample's readings.
+        return (book.version, node.analysis.liveness_version, inventory())
+
+    return [
+        Part("build", lambda: [build_info(agent_id)], lambda: 0),
+        Part("scratch", scratch, lambda: book.version, scratch_text),
+        Part("watcher", lambda: watcher_families(watcher.status()), watcher.status),
+        Part("telemetry", telemetry, lambda: (book.version, node.sampler_version())),
+        Part("headroom", headroom, headroom_token),
+        Part("attribution", lambda: attribution_families(node.analysis.attribution, process_detail=process_detail),
+             lambda: node.analysis.version),
+    ]

@@ -1,0 +1,451 @@
+"""Keeps an :class:`~exporter.scratch.allocation.AllocationBook` in step with the scratch roots.
+
+A thin adapter over watchdog's inotify layer, designed around three measured facts:
+
+* watchdog's ``Observer`` spends one thread per scheduled watch (5,000 watches = 5,003 threads), and
+  a recursive watch would also report every write in the kernels' ``work/`` trees (users' homes).
+  So we use watchdog's ``InotifyFD`` directly: one inotify fd, one reader thread, and per kernel one
+  non-recursive watch on ``{kernel}/config/`` (or on ``{kernel}/`` until ``config/`` exists). Files
+  under ``work/`` never produce an event we can see.
+* An inotify queue overflow reaches us only as ``on_queue_overflow``; it triggers a full rescan.
+* ``memory``/``hostfile`` scratch types mount a filesystem over each kernel directory after it
+  appears, which hides later writes from a watch placed before the mount. The worker thread
+  polls ``/proc/self/mountinfo`` (the kernel flags it on every mount-table change) and re-arms
+  the watches of the kernels whose directories were mounted over or unmounted.
+
+Besides events, a stat-based rescan runs every ``rescan_interval`` seconds as a safety net (it
+re-reads only files whose size, mtime or inode changed). ``mode="poll"`` does that every
+``poll_interval`` seconds instead of using inotify, for filesystems without it (NFS, CIFS).
+Thread cost: two threads in total (inotify reader + worker), whatever the number of kernels.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import re
+import select
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from watchdog.observers.inotify_c import InotifyConstants as IN
+from watchdog.observers.inotify_c import InotifyEvent, InotifyFD
+
+from exporter.scratch.reader import RESOURCE_FILE, Scanner, ScanStats, is_kernel_name
+
+__all__ = ["ScratchWatcher", "WatcherStatus"]
+
+log = logging.getLogger(__name__)
+
+_ROOT_MASK = IN.IN_CREATE | IN.IN_DELETE | IN.IN_MOVED_FROM | IN.IN_MOVED_TO | IN.IN_DELETE_SELF | IN.IN_MOVE_SELF | IN.IN_ONLYDIR
+_KERNEL_MASK = IN.IN_CREATE | IN.IN_MOVED_TO | IN.IN_ONLYDIR
+_CONFIG_MASK = (
+    IN.IN_CLOSE_WRITE | IN.IN_MODIFY | IN.IN_CREATE | IN.IN_DELETE | IN.IN_MOVED_FROM | IN.IN_MOVED_TO | IN.IN_ONLYDIR
+)
+_RESOURCE_NAME = RESOURCE_FILE.name.encode()
+_CONFIG_NAME = RESOURCE_FILE.parent.name.encode()
+_CB_ID = 0  # one callback per watch: its id only has to be unique within the watch
+
+
+@dataclass(frozen=True)
+class WatcherStatus:
+    """What the watcher reports about itself (exported as gpu_alloc_watcher_* metrics)."""
+
+    mode: str
+    up: bool  # inotify reader and worker alive (worker only, in poll mode)
+    watches: int
+    overflows_total: int
+    watch_errors_total: int
+    events_total: int
+    rescans_total: int
+    last_event_timestamp: float | None
+    last_scan: tuple[ScanStats, ...]
+    degraded: str | None  # why events may be missed (watch limit, root missing), else None
+
+
+class _Watch:
+    """A directory we watch and what it stands for."""
+
+    __slots__ = ("root", "kernel_id", "path", "wd", "ident")
+
+    def __init__(self, root: str, kernel_id: str | None, path: str) -> None:
+        self.root, self.kernel_id, self.path = root, kernel_id, path
+        self.wd = -1
+        self.ident: tuple[int, int] | None = None  # (st_dev, st_ino) of the watched directory
+
+
+class _Dispatch:
+    """The one callback registered on every watch (watchdog's WatchCallback protocol).
+
+    One object, not one per watch: watchdog calls ``on_queue_overflow`` once per distinct
+    callback, and an overflow must count once.
+    """
+
+    def __init__(self, owner: ScratchWatcher) -> None:
+        self.owner = owner
+
+    def on_event(self, event: InotifyEvent) -> None:
+        try:
+            self.owner._on_event(event)
+        except Exception:  # a raising callback would kill the shared reader thread
+            self.owner._count_error("event handler failed", exc_info=True)
+
+    def on_watch_deleted(self, wd: int) -> None:
+        self.owner._forget_wd(wd)
+
+    def on_queue_overflow(self) -> None:
+        self.owner._on_overflow()
+
+
+class ScratchWatcher:
+    """Watches one or more scratch roots and feeds a :class:`Scanner`.
+
+    :param scanner: reads kernels into the allocation book.
+    :param roots: scratch root directories.
+    :param mode: ``"inotify"`` or ``"poll"``.
+    :param rescan_interval: seconds between safety-net rescans in inotify mode.
+    :param poll_interval: seconds between rescans in poll mode, and while inotify is degraded.
+    :param mountinfo: path whose POLLPRI signals mount changes (tests may pass None to disable).
+    """
+
+    def __init__(
+        self,
+        scanner: Scanner,
+        roots: Sequence[str],
+        *,
+        mode: str = "inotify",
+        rescan_interval: float = 60.0,
+        poll_interval: float = 2.0,
+        mountinfo: str | None = "/proc/self/mountinfo",
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if mode not in ("inotify", "poll"):
+            raise ValueError(f"unknown watch mode {mode!r}")
+        self.scanner = scanner
+        self.roots = [os.path.abspath(r) for r in roots]
+        self.mode = mode
+        self.rescan_interval = rescan_interval
+        self.poll_interval = poll_interval
+        self._mountinfo = mountinfo
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._fd: InotifyFD | None = None
+        self._root_watch: dict[str, _Watch] = {}
+        self._kernel_watch: dict[tuple[str, str], _Watch] = {}
+        self._by_wd: dict[int, _Watch] = {}
+        self._dispatch = _Dispatch(self)
+        self._worker: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._wake_r, self._wake_w = -1, -1
+        self._rescan_requested = False
+        self._overflows = self._errors = self._events = self._rescans = 0
+        self._last_event: float | None = None
+        self._last_scan: tuple[ScanStats, ...] = ()
+        self._degraded: dict[str, str] = {}
+        self._mounts: set[str] = set()  # mount points at or below the scratch roots
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Full scan of every root, then watch. Returns once the first scan is complete."""
+        if self.mode == "inotify":
+            self._fd = InotifyFD()
+            self._fd.start()
+        self._wake_r, self._wake_w = os.pipe()
+        self._full_scan(force=True)
+        self._worker = threading.Thread(target=self._work, name="scratch-watcher", daemon=True)
+        self._worker.start()
+
+    def close(self) -> None:
+        """Stop and join every thread this watcher started."""
+        self._stop.set()
+        if self._wake_w >= 0:
+            os.write(self._wake_w, b"x")
+        if self._worker is not None:
+            self._worker.join()
+        if self._fd is not None:
+            self._fd.stop()  # closes the fd, which wakes and ends the reader thread
+            self._fd.join()
+            self._fd = None
+        for fd in (self._wake_r, self._wake_w):
+            if fd >= 0:
+                os.close(fd)
+        self._wake_r = self._wake_w = -1
+
+    def __enter__(self) -> ScratchWatcher:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def request_rescan(self) -> None:
+        """Ask the worker for a full rescan soon (after an overflow, or from an operator)."""
+        self._rescan_requested = True
+        if self._wake_w >= 0:
+            try:
+                os.write(self._wake_w, b"r")
+            except OSError:
+                pass
+
+    def status(self) -> WatcherStatus:
+        reader_ok = self.mode == "poll" or (self._fd is not None and self._fd.is_alive())
+        worker_ok = self._worker is not None and self._worker.is_alive()
+        with self._lock:
+            degraded = "; ".join(f"{k}: {v}" for k, v in sorted(self._degraded.items())) or None
+            return WatcherStatus(
+                mode=self.mode,
+                up=reader_ok and worker_ok,
+                watches=len(self._root_watch) + len(self._kernel_watch),
+                overflows_total=self._overflows,
+                watch_errors_total=self._errors,
+                events_total=self._events,
+                rescans_total=self._rescans,
+                last_event_timestamp=self._last_event,
+                last_scan=self._last_scan,
+                degraded=degraded,
+            )
+
+    # -- the worker: rescans, mount changes ----------------------------------------------------
+
+    def _work(self) -> None:
+        poller = select.poll()
+        poller.register(self._wake_r, select.POLLIN)
+        mounts = self._open_mountinfo(poller)
+        next_scan = time.monotonic() + self._interval()
+        while not self._stop.is_set():
+            timeout = max(0.0, next_scan - time.monotonic())
+            try:
+                ready = poller.poll(timeout * 1000)
+            except InterruptedError:
+                continue
+            mount_changed = False
+            for fd, _ in ready:
+                if fd == self._wake_r:
+                    os.read(self._wake_r, 4096)
+                elif fd == mounts:
+                    mount_changed = True
+            if self._stop.is_set():
+                break
+            try:
+                if self._rescan_requested or time.monotonic() >= next_scan:
+                    self._rescan_requested = False
+                    self._full_scan(force=False)
+                    next_scan = time.monotonic() + self._interval()
+                elif mount_changed:
+                    self._rearm_mounted()
+            except Exception:
+                self._count_error("rescan failed", exc_info=True)
+        if mounts is not None:
+            os.close(mounts)
+
+    def _interval(self) -> float:
+        if self.mode == "poll" or self._degraded:
+            return self.poll_interval
+        return self.rescan_interval
+
+    def _open_mountinfo(self, poller: select.poll) -> int | None:
+        if self.mode != "inotify" or not self._mountinfo:
+            return None
+        try:
+            fd = os.open(self._mountinfo, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return None
+        self._mounts = _mount_points(self._mountinfo, self.roots)
+        poller.register(fd, select.POLLPRI | select.POLLERR)
+        return fd
+
+    def _full_scan(self, *, force: bool, recheck: bool = False) -> None:
+        """Rescan every root. ``recheck`` also re-arms watched kernels whose directory is now a
+        different inode (after a mount over the root)."""
+        with self._lock:  # retried below: a watch limit may have been raised since
+            self._degraded.pop("inotify", None)
+        stats = []
+        for root in self.roots:
+            if self._fd is not None:
+                self._arm_root(root)
+            stats.append(self.scanner.scan(root, force=force))
+            if self._fd is not None:
+                # Watched kernels stay valid until their directory goes (a root event) or a mount
+                # replaces it (a mount-table event): a rescan only arms the ones without a watch.
+                with self._lock:
+                    armed = {k for r, k in self._kernel_watch if r == root}
+                for kernel_id in self.scanner.book.known(root) - (set() if recheck else armed):
+                    self._arm_kernel(root, kernel_id)
+                self._drop_vanished(root)
+        with self._lock:
+            self._last_scan = tuple(stats)
+            self._rescans += 1
+            for s in stats:
+                if not s.ok:
+                    self._degraded[s.root] = f"scratch root unreadable ({s.error})"
+                elif self._degraded.get(s.root, "").startswith("scratch root"):
+                    del self._degraded[s.root]
+
+    def _rearm_mounted(self) -> None:
+        """The mount table changed. Container starts change it all the time, so look only at mount
+        points under the scratch roots: re-arm (and re-read) the kernels whose directory was
+        mounted over or unmounted, or every kernel of a root that was itself remounted."""
+        points = _mount_points(self._mountinfo, self.roots)
+        changed, self._mounts = points ^ self._mounts, points
+        for root in self.roots:
+            hit = {p for p in changed if p == root or p.startswith(root + os.sep)}
+            if root in hit:  # the root itself was (un)mounted: a different tree, rescan it whole
+                self._full_scan(force=False, recheck=True)
+                continue
+            kernels = self.scanner.book.known(root) & {p[len(root) + 1 :].split(os.sep, 1)[0] for p in hit}
+            for kernel_id in kernels:
+                if self._arm_kernel(root, kernel_id):
+                    self.scanner.refresh(root, kernel_id)
+
+    def _drop_vanished(self, root: str) -> None:
+        known = self.scanner.book.known(root)
+        with self._lock:
+            gone = [w for (r, k), w in self._kernel_watch.items() if r == root and k not in known]
+        for w in gone:
+            self._unwatch(w)
+
+    # -- watches -------------------------------------------------------------------------------
+
+    def _arm_root(self, root: str) -> None:
+        with self._lock:
+            current = self._root_watch.get(root)
+        if current is not None and current.ident == _ident(root):
+            return
+        if current is not None:
+            self._unwatch(current)
+        self._watch(root, None, root, _ROOT_MASK)
+
+    def _arm_kernel(self, root: str, kernel_id: str) -> bool:
+        """Watch ``config/`` if it exists, else the kernel directory. Returns True if (re)armed."""
+        kdir = os.path.join(root, kernel_id)
+        config = os.path.join(kdir, _CONFIG_NAME.decode())
+        ident = _ident(config)
+        path, mask = (config, _CONFIG_MASK) if ident else (kdir, _KERNEL_MASK)
+        ident = ident or _ident(kdir)
+        with self._lock:
+            current = self._kernel_watch.get((root, kernel_id))
+        if current is not None and current.path == path and current.ident == ident:
+            return False
+        if current is not None:
+            self._unwatch(current)
+        if ident is None:
+            return False
+        armed = self._watch(root, kernel_id, path, mask)
+        if armed and path == kdir and _ident(config):
+            # config/ appeared between our check and the watch: its IN_CREATE is lost, move now.
+            return self._arm_kernel(root, kernel_id)
+        return armed
+
+    def _watch(self, root: str, kernel_id: str | None, path: str, mask: int) -> bool:
+        fd = self._fd
+        if fd is None:
+            return False
+        w = _Watch(root, kernel_id, path)
+        try:
+            w.ident = _ident(path)
+            w.wd = fd.add_callback(os.fsencode(path), mask, self._dispatch, _CB_ID)
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC:
+                with self._lock:
+                    self._degraded["inotify"] = "watch limit reached (fs.inotify.max_user_watches); polling"
+            elif exc.errno not in (errno.ENOENT, errno.ENOTDIR):
+                self._count_error(f"cannot watch {path}: {exc.strerror}")
+            return False
+        if w.wd < 0:  # watchdog returns -1 instead of raising for EACCES
+            fd.remove_callbacks([(w.wd, _CB_ID)])
+            self._count_error(f"cannot watch {path}: permission denied")
+            return False
+        with self._lock:
+            if kernel_id is None:
+                self._root_watch[root] = w
+            else:
+                self._kernel_watch[(root, kernel_id)] = w
+            self._by_wd[w.wd] = w
+        return True
+
+    def _unwatch(self, w: _Watch) -> None:
+        self._forget(w)
+        if self._fd is not None and w.wd >= 0:
+            self._fd.remove_callbacks([(w.wd, _CB_ID)])
+
+    def _forget(self, w: _Watch) -> None:
+        with self._lock:
+            table, key = (self._root_watch, w.root) if w.kernel_id is None else (self._kernel_watch, (w.root, w.kernel_id))
+            if table.get(key) is w:
+                del table[key]
+            if self._by_wd.get(w.wd) is w:
+                del self._by_wd[w.wd]
+
+    def _forget_wd(self, wd: int) -> None:
+        with self._lock:
+            w = self._by_wd.get(wd)
+        if w is not None:
+            self._forget(w)
+
+    # -- events (on the inotify reader thread) ---------------------------------------------------
+
+    def _on_event(self, event: InotifyEvent) -> None:
+        with self._lock:
+            self._events += 1
+            self._last_event = self._clock()
+            w = self._by_wd.get(event.wd)
+        if w is None:  # a watch we just dropped
+            return
+        mask, name = event.mask, event.name
+        if w.kernel_id is None:  # the root itself
+            if mask & (IN.IN_DELETE_SELF | IN.IN_MOVE_SELF):
+                self.request_rescan()
+                return
+            kernel_id = os.fsdecode(name)
+            if not (mask & IN.IN_ISDIR) or not is_kernel_name(kernel_id):
+                return
+            if mask & (IN.IN_CREATE | IN.IN_MOVED_TO):
+                self._arm_kernel(w.root, kernel_id)
+            self.scanner.refresh(w.root, kernel_id)
+            if mask & (IN.IN_DELETE | IN.IN_MOVED_FROM):
+                self._drop_vanished(w.root)
+        elif name == _CONFIG_NAME:  # config/ appeared in a kernel directory: move the watch there
+            self._arm_kernel(w.root, w.kernel_id)
+            self.scanner.refresh(w.root, w.kernel_id)
+        elif name == _RESOURCE_NAME:
+            self.scanner.refresh(w.root, w.kernel_id)
+
+    def _on_overflow(self) -> None:
+        with self._lock:
+            self._overflows += 1
+        log.warning("inotify queue overflowed; rescanning the scratch roots")
+        self.request_rescan()
+
+    def _count_error(self, message: str, exc_info: bool = False) -> None:
+        with self._lock:
+            self._errors += 1
+        log.error("watcher: %s", message, exc_info=exc_info)
+
+
+def _mount_points(mountinfo: str, roots: Sequence[str]) -> set[str]:
+    """Mount points (field 5 of /proc/self/mountinfo, octal escapes decoded) at or below ``roots``."""
+    try:
+        with open(mountinfo, encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return set()
+    points = set()
+    for line in lines:
+        fields = line.split(" ")
+        if len(fields) > 4:
+            point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
+            if any(point == r or point.startswith(r + os.sep) for r in roots):
+                points.add(point)
+    return points
+
+
+def _ident(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino)

@@ -1,0 +1,1 @@
+"""HTTP: the asyncio server with its limits, the exporter-toolkit web config, and the routes."""

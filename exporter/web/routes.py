@@ -1,0 +1,148 @@
+"""The HTTP routes: ``/metrics`` from cached bytes, health and readiness, and the JSON API
+(``/api/v1/alloc-map``, ``/api/v1/state``, ``/api/v1/simulate``); schemas in the README."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from decimal import Decimal
+from typing import Any, Protocol
+
+from exporter import __version__
+from exporter.analysis.node import NodeState
+from exporter.analysis.simulate import result_document, simulate
+from exporter.scratch.allocation import AllocationBook, AllocationView
+from exporter.scratch.watcher import ScratchWatcher
+from exporter.web.server import Request, Response
+
+__all__ = ["Routes", "ServedNode", "state_document"]
+
+TEXT_FORMAT = "text/plain; version=0.0.4; charset=utf-8"
+JSON = "application/json"
+
+
+class ServedNode(Protocol):
+    """What the routes read of a running node (the app's ``Exporter`` satisfies it)."""
+
+    book: AllocationBook
+    watcher: ScratchWatcher
+
+    @property
+    def ready(self) -> bool: ...
+
+    def render(self, gzipped: bool = False) -> bytes: ...
+
+    def node_state(self) -> NodeState: ...
+
+
+class Routes:
+    """Maps a request path to its handler; every handler only reads published snapshots.
+
+    :param node: the node being served.
+    :param roots: the scratch roots, as ``/api/v1/state`` names them.
+    """
+
+    def __init__(self, node: ServedNode, roots: list[str]) -> None:
+        self._node = node
+        self._roots = roots
+        self._table: dict[str, Callable[[Request], Response]] = {
+            "/": self._landing,
+            "/metrics": self._metrics,
+            "/-/healthy": self._healthy,
+            "/-/ready": self._ready_route,
+            "/api/v1/alloc-map": self._alloc_map,
+            "/api/v1/state": self._state,
+            "/api/v1/simulate": self._simulate,
+        }
+
+    def handle(self, request: Request) -> Response:
+        """The response to ``request``: 404 for unknown paths, 405 for methods other than GET and HEAD."""
+        route = self._table.get(request.path.rstrip("/") or "/")
+        if route is None:
+            return Response(404, b"not found\n")
+        if request.method not in ("GET", "HEAD"):
+            return Response(405, b"method not allowed\n", headers={"Allow": "GET, HEAD"})
+        return route(request)
+
+    def _landing(self, _: Request) -> Response:
+        links = "".join(f'<li><a href="{p}">{p}</a></li>' for p in self._table if p != "/")
+        body = (
+            f"<html><head><title>gpu-alloc-exporter</title></head><body><h1>gpu-alloc-exporter {__version__}</h1>"
+            f"<p>GPU allocation of Backend.AI kernels.</p><ul>{links}</ul></body></html>"
+        )
+        return Response(200, body.encode(), "text/html; charset=utf-8")
+
+    def _metrics(self, request: Request) -> Response:
+        gz = "gzip" in request.headers.get("accept-encoding", "")
+        body = self._node.render(gzipped=gz)
+        return Response(200, body, TEXT_FORMAT, {"Content-Encoding": "gzip"} if gz else {})
+
+    def _healthy(self, _: Request) -> Response:
+        status = self._node.watcher.status()
+        if self._node.ready and not status.up:
+            return Response(503, b"scratch watcher stopped\n")
+        return Response(200, b"OK\n")
+
+    def _ready_route(self, _: Request) -> Response:
+        return Response(200, b"OK\n") if self._node.ready else Response(503, b"first scan not finished\n")
+
+    def _alloc_map(self, _: Request) -> Response:
+        return _json(dict(self._node.book.view().alloc_map))
+
+    def _state(self, _: Request) -> Response:
+        return _json(state_document(self._node.book.view(), self._roots, self._node.node_state()))
+
+    def _simulate(self, request: Request) -> Response:
+        want = request.query.get("request", [""])[0]
+        policy = request.query.get("policy", ["evenly"])[0]
+        try:
+            result = simulate(self._node.node_state(), want, policy)
+        except ValueError as exc:
+            return Response(400, f"{exc}\n".encode())
+        return _json(result_document(result))
+
+
+def state_document(view: AllocationView, roots: list[str], node: NodeState | None = None) -> dict[str, Any]:
+    """The ``/api/v1/state`` document (schema in the README). Amounts are decimal strings, exact.
+
+    ``node_state`` (devices with capacity, allocation and stale amounts) is what
+    ``gpu-alloc-exporter simulate --state FILE`` reads back.
+    """
+    devices: dict[str, dict[str, str]] = {}
+    for (device_id, slot), amount in sorted(view.device_totals.items()):
+        devices.setdefault(device_id, {})[slot] = str(amount)
+    return {
+        "version": view.version,
+        "generated_at": view.created_at,
+        "scratch_roots": roots,
+        "alloc_map": dict(view.alloc_map),
+        "devices": devices,
+        "node": {slot: str(v) for slot, v in sorted(view.node_totals.items())},
+        "kernel_states": {s.value: n for s, n in view.state_counts.items()},
+        "node_state": node.to_json() if node is not None else None,
+        "kernels": [
+            {
+                "kernel_id": k.kernel_id,
+                "scratch_root": k.scratch_root,
+                "state": k.state.value,
+                "reason": k.reason,
+                "since": k.since,
+                "container_id": k.container_id,
+                "requested": {s: str(v) for s, v in k.spec.requested} if k.spec else {},
+                "allocations": [
+                    {"slot": a.slot, "device_id": a.device_id, "amount": str(a.amount)} for a in k.allocations
+                ],
+            }
+            for k in sorted(view.kernels.values(), key=lambda k: k.kernel_id)
+        ],
+    }
+
+
+def _json(obj: Any) -> Response:
+    return Response(200, json.dumps(obj, indent=1, default=_default).encode() + b"\n", JSON)
+
+
+def _default(o: Any) -> Any:
+    if isinstance(o, Decimal):
+        return str(o)
+    raise TypeError(type(o).__name__)

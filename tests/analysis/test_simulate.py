@@ -1,0 +1,136 @@
+"""The simulate entry points: figures, rendering, state files, errors."""
+
+from __future__ import annotations
+
+import json
+from decimal import Decimal
+from pathlib import Path
+
+import pytest
+
+from exporter.analysis.capacity import GpuInventory
+from exporter.analysis.node import HeadroomParams, Inventory, NodeState, live_state, node_state
+from exporter.analysis.simulate import format_table, load_state, result_document, simulate
+from exporter.scratch.allocation import AllocationBook
+from exporter.scratch.resources import parse_resource
+from exporter.telemetry.devices import DeviceResolver
+from exporter.telemetry.model import DeviceReading, TelemetrySnapshot
+
+
+def state_doc(*free: str, capacity: str = "1", quantum: str = "0.01", rule: str = "26.4") -> dict:
+    devices = [
+        {"device_id": f"gpu{i}", "capacity": capacity, "allocated": str(Decimal(capacity) - Decimal(f))}
+        for i, f in enumerate(free)
+    ]
+    return {"quantum": quantum, "nofrag_rule": rule, "slots": {"cuda.shares": devices}}
+
+
+def test_1_2_lands_as_0_60_twice() -> None:
+    result = simulate(state_doc("1", "1"), "cuda.shares=1.2", "evenly")
+    doc = result_document(result)
+    assert doc["placed"] and doc["placement"] == {"gpu0": "0.60", "gpu1": "0.60"} and doc["total"] == "1.20"
+    assert doc["headroom"]["before"]["headroom"] == "2.00" and doc["headroom"]["after"]["headroom"] == "0.80"
+    table = format_table(result)
+    assert "placed 1.20 on 2 device(s): gpu0 0.60, gpu1 0.60" in table
+    assert "gpu0    1         0          1     0.60    0.40" in table
+
+
+def test_1_4_is_accepted_as_two_times_0_7_without_fragmentation() -> None:
+    result = simulate(state_doc("0.5", "1", "1", "1", quantum="0.1"), "cuda.shares=1.4", "evenly-nofrag")
+    assert sorted(result_document(result)["placement"].values()) == ["0.70", "0.70"]
+
+
+def test_1_6_is_rejected_without_fragmentation() -> None:
+    result = simulate(state_doc("0.2", "1", quantum="0.1"), "cuda.shares=1.6", "evenly-nofrag")
+    doc = result_document(result)
+    assert not doc["placed"] and doc["rejection"]["reason"] == "fragmented"
+    assert doc["headroom"]["after"] is None
+    assert "rejected (fragmented)" in format_table(result)
+
+
+def test_before_26_4_rule_comes_from_the_state() -> None:
+    result = simulate(
+        state_doc("0.5", "1", "1", "1", quantum="0.1", rule="before-26.4"), "cuda.shares=1.4", "evenly-nofrag"
+    )
+    assert result_document(result)["rejection"]["reason"] == "fragmented"
+
+
+def test_quantum_note_is_reported() -> None:
+    result = simulate(state_doc("1", "1", quantum="0.25"), "cuda.shares=1.75")
+    assert result.outcome.total == Decimal("1.50")
+    assert "note     quantum 0.25 rounds 1.75 down to 1.50" in format_table(result)
+
+
+def test_every_policy_answers() -> None:
+    for policy in ("evenly", "evenly-nofrag", "simple", "besteffort", "compact-first", "low-load-first"):
+        assert simulate(state_doc("1", "0.5"), "cuda.shares=0.5", policy).placed
+
+
+def test_slot_without_devices() -> None:
+    result = simulate(state_doc("1"), "cuda.device=1")
+    doc = result_document(result)
+    assert doc["rejection"] == {"reason": "no-devices", "detail": "no device of slot cuda.device on this node"}
+    assert doc["devices"] == [] and doc["headroom"] == {"before": None, "after": None}
+    assert "rejected (no-devices)" in format_table(result)
+
+
+@pytest.mark.parametrize(
+    ("state", "request_", "policy"),
+    [
+        (state_doc("1"), "cuda.shares", "evenly"),
+        (state_doc("1"), "cuda.shares=1", "fastest"),
+        ({"slots": 3}, "cuda.shares=1", "evenly"),
+    ],
+)
+def test_bad_input_raises_value_error(state, request_, policy) -> None:
+    with pytest.raises(ValueError):
+        simulate(state, request_, policy)
+
+
+def test_state_file_from_a_live_view(tmp_path: Path) -> None:
+    book = AllocationBook(clock=lambda: 0.0)
+    text = 'SCRATCH_SIZE=0m\nMOUNTS=\nSLOTS={"cuda.shares":"1.2"}\nCUDA.SHARES_SHARES=GPU-a:0.60,GPU-b:0.60\n'
+    book.apply("k1", "/scratch", parse_resource(text))
+    inventory = Inventory(gpus=(GpuInventory("GPU-a", 40 * 1024**3, 108), GpuInventory("GPU-b", 40 * 1024**3, 108)))
+    state = node_state(book.view(), inventory, HeadroomParams())
+    path = tmp_path / "state.json"
+    path.write_text(json.dumps(state.to_json()))
+    loaded = load_state(path)
+    assert loaded == state
+    result = simulate(loaded, "cuda.shares=20")
+    assert result_document(result)["placement"] == {"GPU-a": "10.00", "GPU-b": "10.00"}
+    assert simulate(state, "cuda.shares=25.8").outcome.total == Decimal("25.8")
+    assert simulate(state, "cuda.shares=25.81").outcome.reason == "insufficient"
+
+
+def test_documents_are_json_serialisable() -> None:
+    doc = result_document(simulate(state_doc("1", "0.3", "0.25"), "cuda.shares=0.9"))
+    assert json.loads(json.dumps(doc)) == doc
+    assert doc["headroom"]["after"]["fragmentation_ratio"] == "1"
+    assert NodeState.from_json(
+        json.loads(json.dumps(NodeState.from_json(state_doc("1")).to_json()))
+    ) == NodeState.from_json(state_doc("1"))
+
+
+def test_live_state_from_a_snapshot() -> None:
+    book = AllocationBook(clock=lambda: 0.0)
+    text = 'SCRATCH_SIZE=0m\nMOUNTS=\nSLOTS={"cuda.device":"1"}\nCUDA.DEVICE_SHARES=0:1\n'
+    book.apply("k1", "/scratch", parse_resource(text))
+    view = book.view()
+    readings = tuple(DeviceReading(uuid=f"GPU-{i}", index=i) for i in range(4))
+    snapshot = TelemetrySnapshot(source="nvml", devices=readings, success=True)
+    resolver = DeviceResolver(snapshot, view.device_ids())
+    state = live_state(view, snapshot, resolver, HeadroomParams())
+    assert [d.device_id for d in state.slots["cuda.device"]] == ["0", "1", "2", "3"]
+    doc = result_document(simulate(state, "cuda.device=2", "evenly"))
+    assert doc["placement"] == {"1": "1", "2": "1"}
+
+
+def test_mig_request_takes_one_free_instance() -> None:
+    slot = "cuda.device:1g.10gb-mig"
+    doc = {"slots": {slot: [{"device_id": f"MIG-{i}", "capacity": "1", "allocated": a} for i, a in enumerate("100")]}}
+    result = result_document(simulate(doc, f"{slot}=1"))
+    assert result["placement"] == {"MIG-1": "1"}
+    assert result["headroom"]["before"]["headroom"] == "1" and result["headroom"]["before"]["whole_free_devices"] == "2"
+    assert result["headroom"]["after"]["whole_free_devices"] == "1"
+    assert result_document(simulate(doc, f"{slot}=2"))["rejection"]["reason"] == "invalid-request"

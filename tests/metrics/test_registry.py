@@ -1,0 +1,129 @@
+"""Exposition: a golden /metrics for a fixture scratch tree, promtool-clean, failures as data."""
+
+from __future__ import annotations
+
+import gzip
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from helpers import FIXTURES, GOLDEN
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+from exporter.metrics.allocation import KernelText, allocation_families, kernel_families
+from exporter.metrics.exporter import build_info, watcher_families
+from exporter.metrics.registry import ExporterCollector, Part, render_families
+from exporter.metrics.status import collector_status
+from exporter.scratch.allocation import AllocationBook
+from exporter.scratch.reader import Scanner, ScanStats
+from exporter.scratch.watcher import WatcherStatus
+
+FIXTURE = FIXTURES / "scratch" / "mixed"
+GOLDEN_FILE = GOLDEN / "mixed.prom"
+STATUS = WatcherStatus(
+    mode="inotify", up=True, watches=17, overflows_total=0, watch_errors_total=0, events_total=3, rescans_total=1,
+    last_event_timestamp=1.7e9, last_scan=(ScanStats("/scratch", 15, 0.0125, True),), degraded=None,
+)
+
+
+def render(tree: Path, status: WatcherStatus = STATUS) -> bytes:
+    book = AllocationBook(clock=lambda: 1.7e9)
+    Scanner(book).scan(str(tree))
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(ExporterCollector([
+        Part("build", lambda: [build_info("agent-1")], lambda: 0),
+        Part("scratch", lambda: allocation_families(book.view()) + kernel_families(book.view()) + watcher_families(status), lambda: 0),
+    ]))
+    return generate_latest(registry)
+
+
+def test_golden_metrics(update_golden: bool) -> None:
+    text = render(FIXTURE).decode().replace(__import__("platform").python_version(), "PYTHON")
+    if update_golden:
+        GOLDEN_FILE.write_text(text)
+    assert text == GOLDEN_FILE.read_text(), "exposition changed; review and run pytest --update-golden"
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian package prometheus) not installed")
+def test_promtool_check_metrics_is_clean() -> None:
+    result = subprocess.run(["promtool", "check", "metrics"], input=render(FIXTURE), capture_output=True)
+    assert result.returncode == 0, result.stderr.decode()
+
+
+def test_hostile_label_values_are_escaped() -> None:
+    text = render(FIXTURE).decode()
+    # The invalid kernel's quoted device id never reaches a label (its file never parsed), and
+    # nothing in the output breaks the line structure.
+    assert 'GPU-"quoted"' not in text
+    for line in text.splitlines():
+        assert line.startswith("#") or line.count('"') % 2 == 0
+
+
+def test_a_failing_source_reports_success_0_and_the_scrape_still_works() -> None:
+    def broken():
+        raise RuntimeError("NVML went away")
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(ExporterCollector([Part("nvml", broken, lambda: 0), Part("build", lambda: [build_info(None)], lambda: 0)]))
+    assert registry.get_sample_value("gpu_alloc_collector_success", {"collector": "nvml"}) == 0
+    assert registry.get_sample_value("gpu_alloc_build_info", {"version": __import__("exporter").__version__,
+                                                                "python_version": __import__("platform").python_version(),
+                                                                "agent_id": ""}) == 1
+
+
+def test_a_failed_scan_reports_success_0() -> None:
+    status = WatcherStatus(**{**STATUS.__dict__, "last_scan": (ScanStats("/gone", 0, 0.0, False, "No such file"),)})
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(ExporterCollector([Part("scratch", lambda: watcher_families(status), lambda: 0)]))
+    assert registry.get_sample_value("gpu_alloc_collector_success", {"collector": "scratch"}) == 0
+    assert registry.get_sample_value("gpu_alloc_scratch_root_up", {"scratch_root": "/gone"}) == 0
+
+
+def test_render_reuses_unchanged_parts_and_merges_status_families() -> None:
+    calls = {"big": 0, "small": 0}
+    version = {"small": 0}
+
+    def big():
+        calls["big"] += 1
+        return collector_status("big", True, 0.5)
+
+    def small():
+        calls["small"] += 1
+        fams = collector_status("small", True)
+        fams.append(GaugeMetricFamily("gpu_alloc_small", "a value", value=version["small"]))
+        return fams
+
+    collector = ExporterCollector([Part("big", big, lambda: 0), Part("small", small, lambda: version["small"])])
+    first = collector.render()
+    version["small"] = 1
+    second = collector.render()
+    assert calls == {"big": 1, "small": 2}
+    assert b"gpu_alloc_small 0.0" in first and b"gpu_alloc_small 1.0" in second
+    # One family per name: both sources' status samples under a single HELP/TYPE.
+    assert second.count(b"# TYPE gpu_alloc_collector_success gauge") == 1
+    assert b'gpu_alloc_collector_success{collector="big"} 1.0' in second
+    assert gzip.decompress(collector.render(gzipped=True)) == second
+    result = subprocess.run(["promtool", "check", "metrics"], input=second, capture_output=True)
+    assert result.returncode == 0, result.stderr.decode()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.text(min_size=1, max_size=8), st.text(min_size=1, max_size=8),
+                          st.sampled_from(["cuda.shares", "cuda.mem", "rocm.device", "cuda.device:1g.10gb-mig"]),
+                          st.decimals(min_value=0, max_value=10**12, places=2)), max_size=12))
+def test_kernel_text_equals_prometheus_client_output(rows) -> None:
+    """The cached encoder must write exactly what generate_latest writes, hostile ids included."""
+    from exporter.scratch.resources import Allocation, ResourceSpec
+
+    book = AllocationBook(clock=lambda: 0.0)
+    for kernel_id, device_id, slot, amount in rows:
+        book.apply(kernel_id + '"\\\n', "/r", ResourceSpec((Allocation(slot, device_id + '"\\\n', amount),), (), None))
+    text = KernelText()
+    assert text.render(book.view()) == render_families(kernel_families(book.view()))
+    if rows:  # and after a change, from the cache
+        book.remove(rows[0][0] + '"\\\n')
+        assert text.render(book.view()) == render_families(kernel_families(book.view()))

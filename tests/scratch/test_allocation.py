@@ -1,0 +1,190 @@
+"""The allocation model and the scanner: states, last good allocation, exact totals, snapshots."""
+
+from __future__ import annotations
+
+import os
+import random
+from decimal import Decimal
+from pathlib import Path
+
+import pytest
+from backendai_reference import read_allocations, scan_gpu_alloc_map
+from helpers import FIXTURES
+
+from exporter.demo import write_kernel
+from exporter.scratch.allocation import AllocationBook, KernelState
+from exporter.scratch.reader import Scanner, read_kernel
+from exporter.scratch.resources import Pending, parse_resource
+
+SAMPLES = sorted((FIXTURES / "resources").glob("*.txt"))
+GOOD = 'SCRATCH_SIZE=0m\nMOUNTS=\nSLOTS={"cuda.shares":"0.5"}\nCUDA.SHARES_SHARES=GPU-a:0.5\n'
+
+
+def test_invalid_file_keeps_the_last_good_allocation_and_others_are_unaffected(tmp_path: Path) -> None:
+    book = AllocationBook(clock=lambda: 100.0)
+    scanner = Scanner(book)
+    write_kernel(tmp_path, "k1", {"cuda.shares": {"GPU-a": Decimal("0.5")}})
+    write_kernel(tmp_path, "k2", {"cuda.shares": {"GPU-a": Decimal("0.25")}})
+    scanner.scan(str(tmp_path))
+    assert book.view().alloc_map == {"GPU-a": "0.75"}
+
+    (tmp_path / "k1/config/resource.txt").write_text(GOOD.replace("0.5\n", "NaN\n"))
+    scanner.refresh(str(tmp_path), "k1")
+    view = book.view()
+    k1 = view.kernels["k1"]
+    assert k1.state is KernelState.INVALID
+    assert "resource.txt:4: cuda.shares on 'GPU-a': not a finite number" in k1.reason
+    assert view.alloc_map == {"GPU-a": "0.75"}  # the last good 0.5 is still counted
+    assert view.kernels["k2"].state is KernelState.OK
+    assert view.parse_errors_total == 1
+
+    (tmp_path / "k1/config/resource.txt").write_text(GOOD.replace("0.5\n", "0.125\n"))
+    scanner.refresh(str(tmp_path), "k1")
+    assert book.view().alloc_map == {"GPU-a": "0.375"}
+    assert book.view().kernels["k1"].state is KernelState.OK
+
+
+def test_removing_a_kernel_removes_its_allocation(tmp_path: Path) -> None:
+    book = AllocationBook()
+    scanner = Scanner(book)
+    write_kernel(tmp_path, "k1", {"cuda.device": {"GPU-a": Decimal(1)}})
+    scanner.scan(str(tmp_path))
+    assert book.view().device_totals == {("GPU-a", "cuda.device"): Decimal(1)}
+    (tmp_path / "k1/config/resource.txt").unlink()
+    (tmp_path / "k1/config").rmdir()
+    (tmp_path / "k1/work").rmdir()
+    (tmp_path / "k1").rmdir()
+    scanner.refresh(str(tmp_path), "k1")
+    assert book.view().device_totals == {}
+    assert book.view().kernels == {}
+
+
+def test_views_are_immutable_snapshots() -> None:
+    book = AllocationBook()
+    book.apply("k1", "/r", parse_resource(GOOD))
+    before = book.view()
+    book.apply("k2", "/r", parse_resource(GOOD))
+    after = book.view()
+    assert len(before.kernels) == 1 and len(after.kernels) == 2
+    assert before.alloc_map == {"GPU-a": "0.5"} and after.alloc_map == {"GPU-a": "1.0"}
+    with pytest.raises(TypeError):
+        before.kernels["x"] = None  # type: ignore[index]
+    assert book.view() is after  # unchanged state: the same snapshot, no rebuild
+
+
+def test_a_pending_kernel_without_history_counts_nothing() -> None:
+    book = AllocationBook()
+    book.apply("k1", "/r", Pending("missing SLOTS"))
+    view = book.view()
+    assert view.state_counts[KernelState.PENDING] == 1 and view.device_totals == {}
+
+
+def test_reapplying_the_same_outcome_is_not_a_change() -> None:
+    book = AllocationBook()
+    assert book.apply("k1", "/r", parse_resource(GOOD)) is not None
+    version = book.version
+    assert book.apply("k1", "/r", parse_resource(GOOD)) is None
+    assert book.version == version
+
+
+def test_running_totals_equal_a_fresh_sum_after_random_churn() -> None:
+    rng = random.Random(7)
+    book = AllocationBook()
+    live: dict[str, str] = {}
+    for _ in range(3000):
+        kid = f"k{rng.randrange(60)}"
+        if rng.random() < 0.3:
+            book.remove(kid)
+            live.pop(kid, None)
+            continue
+        # Mixed exponents ("1", "1.50", "0.500", "8E+1") make trailing zeros matter in the output.
+        amount = rng.choice(["1", "2", "1.50", "0.5", "0.500", "0.25", "8E+1", "0.01", "3.10"])
+        dev = f"GPU-{rng.randrange(4)}"
+        slot = rng.choice(["CUDA.SHARES", "CUDA.DEVICE"])
+        text = f'SCRATCH_SIZE=0m\nMOUNTS=\nSLOTS={{"{slot.lower()}":"{amount}"}}\n{slot}_SHARES={dev}:{amount}\n'
+
+        book.apply(kid, "/r", parse_resource(text))
+        live[kid] = text
+    view = book.view()
+    assert dict(view.alloc_map) == dict(sorted(scan_gpu_alloc_map(list(live.values())).items()))
+    fresh: dict = {}
+    for text in live.values():
+        for slot, per in read_allocations(text).items():
+            for dev, amt in per.items():
+                if "." in slot:
+                    fresh[(dev, slot)] = fresh.get((dev, slot), Decimal(0)) + amt
+    assert {k: v for k, v in view.device_totals.items()} == fresh
+    assert book.view().alloc_map == view.alloc_map
+
+
+def test_a_scratch_tree_of_backendai_samples_matches_what_the_agent_reads_back(tmp_path: Path) -> None:
+    for i, sample in enumerate(SAMPLES):
+        config = tmp_path / f"kernel-{i}" / "config"
+        config.mkdir(parents=True)
+        (config / "resource.txt").write_text(sample.read_text())
+    book = AllocationBook()
+    Scanner(book).scan(str(tmp_path))
+    view = book.view()
+    assert dict(view.alloc_map) == dict(sorted(scan_gpu_alloc_map([s.read_text() for s in SAMPLES]).items()))
+    for i, sample in enumerate(SAMPLES):
+        expected = {(slot, d, a) for slot, per in read_allocations(sample.read_text()).items() for d, a in per.items()}
+        got = {(a.slot, a.device_id, a.amount) for a in view.kernels[f"kernel-{i}"].allocations}
+        assert got == expected
+
+
+def test_non_kernel_siblings_are_skipped(tmp_path: Path) -> None:
+    write_kernel(tmp_path, "k1", {})
+    (tmp_path / "k1_tmp").mkdir()
+    (tmp_path / "k1.img").write_bytes(b"\0" * 16)
+    (tmp_path / ".hidden").mkdir()
+    book = AllocationBook()
+    assert Scanner(book).scan(str(tmp_path)).kernels == 1
+    assert set(book.view().kernels) == {"k1"}
+
+
+def test_unsafe_files_become_invalid_with_a_reason(tmp_path: Path) -> None:
+    outside = tmp_path / "outside.txt"
+    outside.write_text(GOOD)
+    root = tmp_path / "root"
+    (root / "link/config").mkdir(parents=True)
+    (root / "link/config/resource.txt").symlink_to(outside)
+    (root / "fifo/config").mkdir(parents=True)
+    os.mkfifo(root / "fifo/config/resource.txt")
+    (root / "dir/config/resource.txt").mkdir(parents=True)
+    (root / "big/config").mkdir(parents=True)
+    (root / "big/config/resource.txt").write_text(GOOD + "X=" + "y" * 5000 + "\n")
+    (root / "latin/config").mkdir(parents=True)
+    (root / "latin/config/resource.txt").write_bytes(GOOD.encode() + b"X=\xff\xfe\n")
+    (root / "empty/config").mkdir(parents=True)
+    reasons = {k: read_kernel(str(root), k, max_bytes=4096) for k in ("link", "fifo", "dir", "big", "latin", "empty")}
+    assert "symlink points outside the scratch root" in str(reasons["link"])
+    assert "not a regular file" in str(reasons["fifo"])
+    assert "not a regular file" in str(reasons["dir"])
+    assert "over the 4096-byte limit" in str(reasons["big"])
+    assert "not UTF-8" in str(reasons["latin"])
+    assert isinstance(reasons["empty"], Pending)
+    for name in ("link", "fifo", "dir", "big", "latin"):
+        assert str(root / name / "config/resource.txt") in str(reasons[name])
+
+
+def test_a_missing_root_empties_it_and_reports_the_error(tmp_path: Path) -> None:
+    book = AllocationBook()
+    scanner = Scanner(book)
+    write_kernel(tmp_path / "root", "k1", {"cuda.shares": {"GPU-a": Decimal(1)}})
+    assert scanner.scan(str(tmp_path / "root")).ok
+    (tmp_path / "root").rename(tmp_path / "gone")
+    stats = scanner.scan(str(tmp_path / "root"))
+    assert not stats.ok and "No such file" in stats.error
+    assert book.view().kernels == {}
+
+
+def test_symlinks_inside_the_root_are_followed_and_outside_refused(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    write_kernel(root, "real", {"cuda.shares": {"GPU-a": Decimal("0.5")}})
+    (root / "alias").mkdir()
+    (root / "alias/config").symlink_to(root / "real/config")
+    write_kernel(tmp_path / "elsewhere", "k", {"cuda.shares": {"GPU-a": Decimal("0.5")}})
+    (root / "escape").mkdir()
+    (root / "escape/config").symlink_to(tmp_path / "elsewhere/k/config")
+    assert read_kernel(str(root) + "/", "alias").allocations
+    assert "outside the scratch root" in str(read_kernel(str(root), "escape"))

@@ -1,0 +1,210 @@
+"""The resource.txt parser: every upstream format, every slot kind, pending and malformed files."""
+
+from __future__ import annotations
+
+from decimal import Decimal
+from pathlib import Path
+
+import pytest
+from backendai_reference import read_allocations
+from helpers import FIXTURES
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from exporter.scratch.resources import (
+    Allocation,
+    Pending,
+    ResourceParseError,
+    ResourceSpec,
+    SlotKind,
+    parse_binary_size,
+    parse_resource,
+    slot_kind,
+)
+
+SAMPLES = sorted((FIXTURES / "resources").glob("*.txt"))
+HEADER = 'SCRATCH_SIZE=0m\nMOUNTS=\nSLOTS={"cpu":"1","mem":"1073741824","cuda.shares":"0.5"}\n'
+
+
+def spec(text: str) -> ResourceSpec:
+    result = parse_resource(text, "/s/k/config/resource.txt")
+    assert isinstance(result, ResourceSpec), result
+    return result
+
+
+def as_dict(s: ResourceSpec) -> dict[str, dict[str, Decimal]]:
+    out: dict[str, dict[str, Decimal]] = {}
+    for a in s.allocations:
+        out.setdefault(a.slot, {})[a.device_id] = a.amount
+    return out
+
+
+@pytest.mark.parametrize("path", SAMPLES, ids=lambda p: p.name)
+def test_every_sample_written_by_backendai_reads_back_as_the_agent_reads_it(path: Path) -> None:
+    text = path.read_text()
+    assert as_dict(spec(text)) == read_allocations(text)
+
+
+def test_pre_2412_format_has_cid_first_and_spaced_json() -> None:
+    s = spec((FIXTURES / "resources/cuda.shares.pre-24.12.txt").read_text())
+    assert s.container_id == "5b336bc8c25536590f7815f2af3e7dd95b336bc8c25536590f7815f2af3e7dd9"
+    assert dict(s.requested)["cuda.shares"] == Decimal("0.1")
+    assert Allocation("cuda.shares", "GPU-c59395cd-ac91-4cd3-a1b0-3d2568aa2d03", Decimal("0.1")) in s.allocations
+
+
+def test_current_format_repeated_cid_last_one_wins() -> None:
+    text = HEADER + "UNIFIED_DEVICES=[]\nCUDA.SHARES_SHARES=GPU-a:0.5\nCID=aaa\nCID=bbb\n"
+    assert spec(text).container_id == "bbb"
+
+
+def test_unified_devices_are_parsed_and_optional() -> None:
+    text = 'SCRATCH_SIZE=0m\nMOUNTS=\nSLOTS={"cpu":"1","spark.unified":"1"}\nUNIFIED_DEVICES=[["spark","spark.unified"]]\n'
+    assert spec(text).unified_devices == (("spark", "spark.unified"),)
+    assert spec(HEADER + "CUDA.SHARES_SHARES=g:0.5\n").unified_devices == ()
+
+
+@pytest.mark.parametrize(
+    ("line", "slot", "device", "amount"),
+    [
+        ("CUDA.SHARES_SHARES=GPU-a:0.60", "cuda.shares", "GPU-a", Decimal("0.60")),
+        ("CUDA.DEVICE_SHARES=0:1", "cuda.device", "0", Decimal(1)),
+        ("CUDA.MEM_SHARES=GPU-a:10.12g", "cuda.mem", "GPU-a", Decimal(int(Decimal("10.12") * 1024**3))),
+        ("CUDA.DEVICE:1G.5GB-MIG_SHARES=MIG-c593/2/0:1", "cuda.device:1g.5gb-mig", "MIG-c593/2/0", Decimal(1)),
+        ("CUDA.MIG-2C10G_SHARES=MIG-x:1", "cuda.mig-2c10g", "MIG-x", Decimal(1)),
+        ("ROCM.DEVICE_SHARES=2:1", "rocm.device", "2", Decimal(1)),
+        ("TPU.DEVICE_SHARES=0:1", "tpu.device", "0", Decimal(1)),
+        ("WARP9.CORE_SHARES=w0:3", "warp9.core", "w0", Decimal(3)),  # a slot nobody has seen before
+        ("MEM_SHARES=root:1.5g", "mem", "root", Decimal(1536 * 1024**2)),
+        ("CPU_SHARES=3:1", "cpu", "3", Decimal(1)),
+        ("CUDA.SHARES_SHARES=GPU-a:8E+1", "cuda.shares", "GPU-a", Decimal("8E+1")),
+    ],
+)
+def test_every_shares_line_is_a_slot(line: str, slot: str, device: str, amount: Decimal) -> None:
+    text = 'SCRATCH_SIZE=0m\nMOUNTS=\nSLOTS={"cpu":"1"}\n' + line + "\n"
+    assert Allocation(slot, device, amount) in spec(text).allocations
+
+
+def test_slot_kinds() -> None:
+    assert slot_kind("mem") is SlotKind.BYTES and slot_kind("cuda.mem") is SlotKind.BYTES
+    assert slot_kind("cuda.shares") is SlotKind.COUNT and slot_kind("cuda.device:1g.5gb-mig") is SlotKind.COUNT
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("0", 0), ("512", 512), ("1k", 1024), ("512m", 512 * 2**20), ("1.5g", 3 * 2**29), ("4GiB", 4 * 2**30),
+     ("4 GiB", 4 * 2**30), ("4gb", 4 * 2**30), ("14.76g", 15848429322), ("10t", 10 * 2**40), ("1_024", 1024),
+     ("536870912.000000", 536870912)],
+)
+def test_binary_size(text: str, expected: int) -> None:
+    assert parse_binary_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["1.5", "", "g", "abc", "-1g", "inf", "nang"])
+def test_binary_size_rejects(text: str) -> None:
+    with pytest.raises(ValueError):
+        parse_binary_size(text)
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [
+        ("", "missing SCRATCH_SIZE, MOUNTS, SLOTS"),
+        ("CID=abc\n", "missing SCRATCH_SIZE, MOUNTS, SLOTS"),
+        ("SCRATCH_SIZE=0m\nMOUNTS=\n", "missing SLOTS"),
+        (HEADER + "CUDA.SHARES_SHARES=GPU-a:0.", "last line not yet terminated"),
+        (HEADER, "SLOTS requests cuda.shares but no CUDA.SHARES_SHARES line yet"),
+    ],
+)
+def test_files_the_agent_is_still_writing_are_pending(text: str, reason: str) -> None:
+    result = parse_resource(text)
+    assert isinstance(result, Pending)
+    assert result.reason == reason
+
+
+def test_pending_keeps_the_container_id_seen_so_far() -> None:
+    assert parse_resource("CID=abc\nSCRATCH_SIZE=0m\n").container_id == "abc"
+
+
+def test_an_unterminated_cid_line_does_not_make_a_complete_file_pending() -> None:
+    assert spec(HEADER + "CUDA.SHARES_SHARES=g:0.5\nCID=abc").container_id is None
+
+
+@pytest.mark.parametrize(
+    ("text", "line", "reason"),
+    [
+        (HEADER + "CUDA.SHARES_SHARES=g:NaN\n", 4, "not a finite number"),
+        (HEADER + "CUDA.SHARES_SHARES=g:Infinity\n", 4, "not a finite number"),
+        (HEADER + "CUDA.SHARES_SHARES=g:-0.5\n", 4, "negative amount"),
+        (HEADER + "CUDA.SHARES_SHARES=g:zero\n", 4, "not a number"),
+        (HEADER + "this is not a key value line\n", 4, "not a KEY=VALUE line (28 characters)"),
+        (HEADER + "CUDA.SHARES_SHARES=g:1E+28\n", 4, "amount out of range"),
+        (HEADER + "CUDA.SHARES_SHARES=g:0.0000000001\n", 4, "amount out of range"),
+        (HEADER + "MEM_SHARES=root:1000000y\n", 4, "amount out of range"),
+        ("SCRATCH_SIZE=0m\nMOUNTS=\nSLOTS=" + "[" * 100000 + "\n", 3, "nested too deeply"),
+        ("SCRATCH_SIZE=0m\nMOUNTS=\nSLOTS={broken\n", 3, "SLOTS is not valid JSON"),
+        ("SCRATCH_SIZE=0m\nMOUNTS=\nSLOTS=[1]\n", 3, "SLOTS is not a JSON object"),
+        ('SCRATCH_SIZE=0m\nMOUNTS=\nSLOTS={"cpu":"NaN"}\n', 3, "SLOTS['cpu']"),
+        ('SCRATCH_SIZE=0m\nMOUNTS=\nSLOTS={"cpu":true}\n', 3, "is not a number"),
+        (HEADER + "UNIFIED_DEVICES={}\nCUDA.SHARES_SHARES=g:0.5\n", 4, "UNIFIED_DEVICES is not a list"),
+        (HEADER + "CUDA.SHARES_SHARES=g\x01x:0.5\n", 4, "control characters"),
+        (HEADER + "MEM_SHARES=root:lots\n", 4, "not a number"),
+    ],
+)
+def test_malformed_files_name_the_file_line_and_reason(text: str, line: int, reason: str) -> None:
+    with pytest.raises(ResourceParseError) as info:
+        parse_resource(text, "/scratch/k1/config/resource.txt")
+    assert info.value.line == line
+    assert reason in info.value.reason
+    assert str(info.value).startswith(f"/scratch/k1/config/resource.txt:{line}: ")
+
+
+def test_binary_garbage_is_malformed() -> None:
+    with pytest.raises(ResourceParseError, match="NUL"):
+        parse_resource("\x00\x01\x02garbage")
+
+
+def test_empty_sides_are_skipped_and_duplicates_overwrite_as_upstream_does() -> None:
+    text = HEADER + "CUDA.SHARES_SHARES=:0.5,GPU-a:,GPU-b:0.25,GPU-b:0.5\n"
+    assert as_dict(spec(text)) == read_allocations(text) == {"cuda.shares": {"GPU-b": Decimal("0.5")}}
+    # A repeated key replaces the whole line, as upstream's key=value dict does.
+    text += "CUDA.SHARES_SHARES=GPU-c:0.5\n"
+    assert as_dict(spec(text)) == read_allocations(text) == {"cuda.shares": {"GPU-c": Decimal("0.5")}}
+
+
+def test_device_ids_with_quotes_and_unicode_survive_intact() -> None:
+    text = HEADER + 'CUDA.SHARES_SHARES=GPU-"q"\\:0.5,장치:0.25\n'
+    ids = {a.device_id for a in spec(text).allocations}
+    assert ids == {'GPU-"q"\\', "장치"}
+
+
+def test_a_line_with_ten_thousand_entries() -> None:
+    entries = ",".join(f"{i}:1" for i in range(10_000))
+    s = spec('SCRATCH_SIZE=0m\nMOUNTS=\nSLOTS={"cpu":"10000"}\nCPU_SHARES=' + entries + "\n")
+    assert len(s.allocations) == 10_000
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=400))
+def test_any_text_gives_a_spec_pending_or_a_parse_error(text: str) -> None:
+    try:
+        result = parse_resource(text, "f")
+    except ResourceParseError as exc:
+        assert str(exc).startswith("f")
+    else:
+        assert isinstance(result, (ResourceSpec, Pending))
+
+
+_ids = st.text(alphabet="abcdefGPU-0123456789/", min_size=1, max_size=12)
+_amounts = st.decimals(min_value=0, max_value=1000, places=2, allow_nan=False, allow_infinity=False)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(_ids, _amounts, min_size=1, max_size=8), st.booleans())
+def test_written_allocations_read_back_exactly(per_device: dict[str, Decimal], cid_first: bool) -> None:
+    body = "CUDA.SHARES_SHARES=" + ",".join(f"{d}:{a}" for d, a in per_device.items()) + "\n"
+    total = sum(per_device.values(), Decimal(0))
+    header = f'SCRATCH_SIZE=0m\nMOUNTS=\nSLOTS={{"cuda.shares": "{total}"}}\n'
+    text = ("CID=x\n" + header + body) if cid_first else (header + body + "CID=x\n")
+    s = spec(text)
+    assert as_dict(s) == read_allocations(text) == {"cuda.shares": per_device}
+    assert s.container_id == "x"

@@ -1,0 +1,218 @@
+"""The watcher against real inotify in temporary directories (bounded waits, no fixed sleeps)."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+from decimal import Decimal
+from pathlib import Path
+
+import pytest
+from helpers import wait_for
+
+from exporter.demo import write_kernel
+from exporter.scratch.allocation import AllocationBook, KernelState
+from exporter.scratch.reader import Scanner
+from exporter.scratch.watcher import ScratchWatcher
+
+FULL = 'SCRATCH_SIZE=0m\nMOUNTS=\nSLOTS={"cpu":"1","mem":"1073741824","cuda.shares":"0.5"}\nUNIFIED_DEVICES=[]\nCUDA.SHARES_SHARES=GPU-a:0.5\nCPU_SHARES=0:1\nMEM_SHARES=root:1g\n'
+
+
+@pytest.fixture
+def watched(tmp_path: Path):
+    book = AllocationBook()
+    counter = CountingScanner(book)
+    watcher = ScratchWatcher(counter, [str(tmp_path)], rescan_interval=3600)
+    watcher.start()
+    try:
+        yield tmp_path, book, counter, watcher
+    finally:
+        watcher.close()
+
+
+class CountingScanner(Scanner):
+    """A real scanner that counts reads, so tests can prove work/ activity costs nothing."""
+
+    def __init__(self, book: AllocationBook) -> None:
+        super().__init__(book)
+        self.reads = 0
+
+    def refresh(self, root: str, kernel_id: str, force: bool = True) -> None:
+        self.reads += 1
+        super().refresh(root, kernel_id, force)
+
+
+def test_new_kernel_appears_and_removed_kernel_disappears(watched) -> None:
+    root, book, _, _ = watched
+    write_kernel(root, "k1", {"cuda.shares": {"GPU-a": Decimal("0.5")}})
+    wait_for(lambda: book.view().alloc_map == {"GPU-a": "0.5"})
+    shutil.rmtree(root / "k1")
+    wait_for(lambda: "k1" not in book.view().kernels)
+    assert book.view().alloc_map == {}
+
+
+def test_in_place_partial_write_then_completion_then_cid_append(watched) -> None:
+    root, book, _, _ = watched
+    (root / "k1" / "config").mkdir(parents=True)
+    wait_for(lambda: "k1" in book.view().kernels)
+    path = root / "k1" / "config" / "resource.txt"
+    with open(path, "w") as f:  # the agent truncates and writes in place, no rename
+        f.write(FULL[:40])
+        f.flush()
+        wait_for(lambda: book.view().kernels["k1"].reason == "missing SLOTS")
+        f.write(FULL[40:])
+    wait_for(lambda: book.view().kernels["k1"].state is KernelState.OK)
+    assert book.view().alloc_map == {"GPU-a": "0.5"}
+    with open(path, "a") as f:
+        f.write("CID=" + "ab" * 32 + "\n")
+    wait_for(lambda: book.view().kernels["k1"].container_id == "ab" * 32)
+
+
+def test_kernel_dir_created_before_config_dir(watched) -> None:
+    root, book, _, watcher = watched
+    (root / "k1").mkdir()
+    wait_for(lambda: "k1" in book.view().kernels)
+    (root / "k1" / "config").mkdir()
+    (root / "k1" / "config" / "resource.txt").write_text(FULL)
+    wait_for(lambda: book.view().alloc_map == {"GPU-a": "0.5"})
+
+
+def test_writes_under_work_cause_no_read(watched) -> None:
+    root, book, counter, _ = watched
+    write_kernel(root, "k1", {"cuda.shares": {"GPU-a": Decimal("0.5")}})
+    wait_for(lambda: book.view().alloc_map == {"GPU-a": "0.5"})
+    reads = counter.reads
+    work = root / "k1" / "work"
+    for i in range(500):
+        (work / f"f{i}").write_text("x")
+    (work / "sub").mkdir()
+    (work / "sub" / "deep").write_text("y")
+    # A marker write after the burst proves the burst was processed before we compare.
+    (root / "k1" / "config" / "resource.txt").write_text(FULL.replace("0.5", "0.25"))
+    wait_for(lambda: book.view().alloc_map == {"GPU-a": "0.25"})
+    # The marker's truncate, write and close events, plus any of k1's own creation events still
+    # queued when we took the baseline; 500 files under work/ would have meant 500+ reads.
+    assert counter.reads - reads <= 6, counter.reads - reads
+
+
+def test_burst_of_a_thousand_kernels(watched) -> None:
+    root, book, _, watcher = watched
+    for i in range(1000):
+        write_kernel(root, f"k{i:04d}", {"cuda.shares": {f"GPU-{i % 8}": Decimal("0.01")}}, cpus=1)
+    wait_for(lambda: len(book.view().kernels) == 1000 and all(
+        k.state is KernelState.OK for k in book.view().kernels.values()), timeout=30)
+    assert book.view().alloc_map == {f"GPU-{d}": "1.25" for d in range(8)}
+    assert watcher.status().watches == 1001
+    assert threading.active_count() <= 10
+
+
+def test_overflow_triggers_a_rescan(tmp_path: Path) -> None:
+    """Shrink the kernel's queue while the watcher's inotify instance is created, then stall the
+    reader inside a handler while 400 kernels appear: the 16-event queue must overflow."""
+    limit = Path("/proc/sys/fs/inotify/max_queued_events")
+    try:
+        original = limit.read_text()
+        limit.write_text("16\n")
+    except OSError:
+        pytest.skip("needs root to lower fs.inotify.max_queued_events")
+    book = AllocationBook()
+    release = threading.Event()
+
+    class Stalling(Scanner):
+        def refresh(self, root, kernel_id, force=True):
+            if kernel_id == "stall":
+                release.wait(10)
+            super().refresh(root, kernel_id, force)
+
+    watcher = ScratchWatcher(Stalling(book), [str(tmp_path)], rescan_interval=3600)
+    try:
+        watcher.start()
+    finally:
+        limit.write_text(original)
+    try:
+        (tmp_path / "stall").mkdir()
+        wait_for(lambda: watcher.status().events_total >= 1)
+        for i in range(400):
+            write_kernel(tmp_path, f"k{i:03d}", {"cuda.shares": {"GPU-a": Decimal("0.01")}}, cpus=1)
+        release.set()
+        wait_for(lambda: watcher.status().overflows_total >= 1)
+        wait_for(lambda: len(book.view().kernels) == 401 and book.view().alloc_map == {"GPU-a": "4.00"}, timeout=10)
+        wait_for(lambda: watcher.status().rescans_total >= 2 and watcher.status().watches == 402)
+    finally:
+        release.set()
+        watcher.close()
+
+
+def test_poll_mode_sees_changes_without_inotify(tmp_path: Path) -> None:
+    book = AllocationBook()
+    with ScratchWatcher(Scanner(book), [str(tmp_path)], mode="poll", poll_interval=0.05) as watcher:
+        write_kernel(tmp_path, "k1", {"cuda.shares": {"GPU-a": Decimal("0.5")}})
+        wait_for(lambda: book.view().alloc_map == {"GPU-a": "0.5"})
+        (tmp_path / "k1/config/resource.txt").write_text(FULL.replace("0.5", "0.75") + "X=padding\n")
+        wait_for(lambda: book.view().alloc_map == {"GPU-a": "0.75"})
+        assert watcher.status().watches == 0
+
+
+def test_root_deleted_and_recreated(tmp_path: Path) -> None:
+    root = tmp_path / "scratch"
+    write_kernel(root, "k1", {"cuda.shares": {"GPU-a": Decimal("0.5")}})
+    book = AllocationBook()
+    with ScratchWatcher(Scanner(book), [str(root)], rescan_interval=3600, poll_interval=0.05) as watcher:
+        assert book.view().alloc_map == {"GPU-a": "0.5"}
+        shutil.rmtree(root)
+        wait_for(lambda: book.view().kernels == {} and watcher.status().degraded is not None)
+        write_kernel(root, "k2", {"cuda.shares": {"GPU-b": Decimal("0.25")}})
+        wait_for(lambda: book.view().alloc_map == {"GPU-b": "0.25"})
+        wait_for(lambda: watcher.status().degraded is None)
+        # Events flow again on the recreated root.
+        write_kernel(root, "k3", {"cuda.shares": {"GPU-b": Decimal("0.25")}})
+        wait_for(lambda: book.view().alloc_map == {"GPU-b": "0.50"})
+
+
+def test_a_handler_error_is_counted_and_the_watcher_keeps_running(tmp_path: Path) -> None:
+    book = AllocationBook()
+
+    class Flaky(Scanner):
+        fail = True
+
+        def refresh(self, root, kernel_id, force=True):
+            if self.fail and kernel_id == "bad":
+                raise RuntimeError("boom")
+            super().refresh(root, kernel_id, force)
+
+    with ScratchWatcher(Flaky(book), [str(tmp_path)], rescan_interval=3600) as watcher:
+        (tmp_path / "bad").mkdir()
+        wait_for(lambda: watcher.status().watch_errors_total >= 1)
+        write_kernel(tmp_path, "good", {"cuda.shares": {"GPU-a": Decimal("0.5")}})
+        wait_for(lambda: book.view().alloc_map == {"GPU-a": "0.5"})
+        assert watcher.status().up
+
+
+def test_close_joins_every_thread(tmp_path: Path) -> None:
+    before = threading.active_count()
+    watcher = ScratchWatcher(Scanner(AllocationBook()), [str(tmp_path)])
+    watcher.start()
+    assert threading.active_count() == before + 2
+    watcher.close()
+    assert threading.active_count() == before
+
+
+def test_a_filesystem_mounted_over_a_kernel_directory_is_followed(tmp_path: Path) -> None:
+    """scratch-type=memory/hostfile: the agent mounts over {root}/{kernel} after creating it."""
+    import subprocess
+
+    book = AllocationBook()
+    with ScratchWatcher(Scanner(book), [str(tmp_path)], rescan_interval=3600) as watcher:
+        (tmp_path / "k1").mkdir()
+        wait_for(lambda: "k1" in book.view().kernels)
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(tmp_path / "k1")],
+                          capture_output=True).returncode != 0:
+            pytest.skip("mounting tmpfs needs root")
+        try:
+            write_kernel(tmp_path, "k1", {"cuda.shares": {"GPU-a": Decimal("0.5")}})
+            wait_for(lambda: book.view().alloc_map == {"GPU-a": "0.5"})
+            (tmp_path / "k1/config/resource.txt").write_text(FULL.replace("0.5", "0.25"))
+            wait_for(lambda: book.view().alloc_map == {"GPU-a": "0.25"})
+            assert watcher.status().rescans_total == 1  # events and the mount table, not a rescan
+        finally:
+            subprocess.run(["umount", str(tmp_path / "k1")], check=True)

@@ -1,0 +1,177 @@
+"""Mock devices from Backend.AI's mock-accelerator TOML, with and without our extensions."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+from helpers import FIXTURES
+
+from exporter.telemetry.mock import DEMO_DEVICES_FILE, MockConfigError, MockSource
+from exporter.telemetry.model import MigPlacement, SourceConfigError
+
+UPSTREAM = FIXTURES / "mock-accelerator.toml"
+GIB = 1024**3
+DEMO_MOTHER = "c59395cd-ac91-4cd3-a1b0-3d2568aa2d0"
+
+# Backend.AI's older cuda-mock-mig.toml (configs/accelerator/): cuda_mock keys, MIG devices whose
+# physical GPUs are not listed.
+LEGACY_MIG = """
+nvidia_driver = "450.0.0"
+cuda_runtime = "11.0"
+devices = [
+  { mother_uuid = "c59395cd-ac91-4cd3-a1b0-3d2568aa2d01", model_name = "CUDA GPU", numa_node = 0, smp_count = 108, memory_size = "40G", is_mig_device = false },
+  { mother_uuid = "c59395cd-ac91-4cd3-a1b0-3d2568aa2d03", model_name = "MIG-20g", numa_node = 0, smp_count = 56, memory_size = "20G", is_mig_device = true },
+  { mother_uuid = "c59395cd-ac91-4cd3-a1b0-3d2568aa2d03", model_name = "MIG-10g", numa_node = 0, smp_count = 28, memory_size = "10G", is_mig_device = true },
+  { mother_uuid = "c59395cd-ac91-4cd3-a1b0-3d2568aa2d03", model_name = "MIG-10g", numa_node = 0, smp_count = 28, memory_size = "10G", is_mig_device = true },
+]
+"""
+
+
+def readings(source: MockSource) -> list:
+    return [source.read_device(key) for key in source.prepare().device_keys]
+
+
+def test_backend_ai_upstream_file_loads_unchanged() -> None:
+    source = MockSource(UPSTREAM, clock=lambda: 1000.0)
+    info = source.prepare()
+    assert (info.driver_version, info.cuda_version, info.device_count) == ("450.0.0", "11.0", 4)
+    devices = readings(source)
+    assert [d.uuid for d in devices] == [f"GPU-{DEMO_MOTHER}{i}" for i in range(1, 5)]
+    assert [d.index for d in devices] == [0, 1, 2, 3]
+    assert [d.numa_node for d in devices] == [0, 1, 0, 1]
+    assert [d.pci_bus_id for d in devices] == [f"0000:99:{i:02d}.0" for i in range(4)]  # the plugin's hw_location
+    for d in devices:
+        assert (d.name, d.memory_total_bytes, d.multiprocessor_count) == ("CUDA GPU", 40 * GIB, 108)
+        assert 0 <= d.utilization_gpu_ratio <= 1 and 0 < d.memory_used_bytes < d.memory_total_bytes
+        assert d.power_limit_watts == 250 and 0 < d.power_usage_watts <= 250
+        assert d.mig_mode_current is None and d.mig_devices == () and d.processes is None
+        for f in fields(d):
+            value = getattr(d, f.name)
+            assert not (isinstance(value, float) and math.isnan(value))
+
+
+def test_values_follow_the_injected_clock_deterministically() -> None:
+    now = [1000.0]
+    a, b = MockSource(UPSTREAM, clock=lambda: now[0]), MockSource(UPSTREAM, clock=lambda: now[0])
+    first = readings(a)
+    assert readings(b) == first  # same seed, same clock: same values
+    assert readings(a)[0].utilization_gpu_ratio == first[0].utilization_gpu_ratio  # frozen clock
+    assert len({d.utilization_gpu_ratio for d in first}) == 4  # devices differ in phase
+    now[0] = 1060.0
+    later = readings(a)
+    assert later[0].utilization_gpu_ratio != first[0].utilization_gpu_ratio
+    # Energy integrates power over the clock (starting at 0 on the first reading).
+    assert later[0].energy_joules == pytest.approx(60 * later[0].power_usage_watts)
+    assert readings(a)[0].energy_joules == later[0].energy_joules  # a frozen clock adds nothing
+
+
+def test_the_demo_node_has_four_fractional_gpus_and_a_mig_gpu() -> None:
+    source = MockSource(DEMO_DEVICES_FILE, clock=lambda: 1000.0)
+    info = source.prepare()
+    assert (info.driver_version, info.cuda_version) == ("550.54.15", "12.4")
+    devices = readings(source)
+    assert [d.uuid for d in devices] == [f"GPU-{DEMO_MOTHER}{i}" for i in range(1, 6)]
+    for d in devices:
+        assert (d.name, d.memory_total_bytes, d.multiprocessor_count) == ("NVIDIA A100-SXM4-80GB", 80 * GIB, 108)
+    assert all(d.mig_mode_current is False and d.utilization_gpu_ratio is not None for d in devices[:4])
+    mig = devices[4]
+    assert mig.mig_mode_current is True and mig.utilization_gpu_ratio is None and mig.mig_layout_readable is True
+    assert [(m.uuid, m.profile, m.placement, m.gpu_instance_id) for m in mig.mig_devices] == [
+        (f"MIG-{DEMO_MOTHER}5/4/0", "3g.40gb", MigPlacement(4, 4), 1),
+        (f"MIG-{DEMO_MOTHER}5/5/0", "2g.20gb", MigPlacement(0, 2), 2),
+        (f"MIG-{DEMO_MOTHER}5/6/0", "1g.10gb", MigPlacement(2, 1), 3),
+    ]
+    assert mig.memory_used_bytes == sum(m.memory_used_bytes for m in mig.mig_devices)
+    assert [(gi.gpu_instance_id, gi.profile_id) for gi in mig.gpu_instances] == [(1, 9), (2, 14), (3, 19)]
+    remaining = {p.name: p.remaining for p in mig.mig_profile_capacity}
+    assert remaining == {"1g.10gb": 1, "1g.10gb+me": 1, "1g.20gb": 0, "2g.20gb": 0, "3g.40gb": 0, "4g.40gb": 0, "7g.80gb": 0}
+
+
+def test_legacy_mig_file_groups_mig_devices_under_a_synthesised_gpu(tmp_path: Path) -> None:
+    path = tmp_path / "cuda-mock-mig.toml"
+    path.write_text(LEGACY_MIG)
+    devices = readings(MockSource(path))
+    assert [d.uuid for d in devices] == [f"GPU-{DEMO_MOTHER}1", f"GPU-{DEMO_MOTHER}3"]
+    parent = devices[1]
+    assert parent.memory_total_bytes == 40 * GIB and parent.multiprocessor_count == 112
+    assert [(m.uuid, m.profile) for m in parent.mig_devices] == [
+        (f"MIG-{DEMO_MOTHER}3/1/0", "20g"),
+        (f"MIG-{DEMO_MOTHER}3/2/0", "10g"),
+        (f"MIG-{DEMO_MOTHER}3/3/0", "10g"),
+    ]
+    # No placements in the file: the layout is unknown, not guessed.
+    assert parent.mig_layout_readable is None
+    assert parent.gpu_instances == () and parent.mig_profile_capacity is None
+    assert all(m.placement is None and m.gpu_instance_id is None for m in parent.mig_devices)
+
+
+def test_other_slots_need_no_mig_flag(tmp_path: Path) -> None:
+    path = tmp_path / "rocm-mock.toml"
+    path.write_text(
+        'slot_name = "rocm"\ndevice_plugin_name = "MockDevice"\n'
+        'devices = [{ mother_uuid = "d1", model_name = "MI250", numa_node = 0, subproc_count = 104, memory_size = "64g" }]\n'
+    )
+    (device,) = readings(MockSource(path))
+    assert device.uuid == "GPU-d1" and device.memory_total_bytes == 64 * GIB
+
+
+def device(**extra: str) -> str:
+    fields_ = {
+        "mother_uuid": '"m1"',
+        "model_name": '"CUDA GPU"',
+        "numa_node": "0",
+        "subproc_count": "108",
+        "memory_size": '"40G"',
+        "is_mig_device": "false",
+    }
+    fields_.update(extra)
+    return "[[devices]]\n" + "".join(f"{k} = {v}\n" for k, v in fields_.items() if v is not None)
+
+
+MIG_PARENT = '[mig_parents.m9]\nmodel_name = "NVIDIA A100-SXM4-80GB"\nmemory_size = "80G"\n'
+
+
+def mig(start: int, profile: str = "3g.40gb") -> str:
+    return device(mother_uuid='"m9"', model_name=f'"MIG-{profile}"', is_mig_device="true", placement_start=str(start))
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [
+        ("devices = [", "invalid TOML"),
+        ('slot_name = "cuda"\n', "devices: missing required key"),
+        (device(memory_size=None), "devices[0]: missing required key 'memory_size'"),
+        (device(memory_size='"forty"'), "devices[0].memory_size"),
+        (device(numa_node="-1"), "devices[0].numa_node: must be at least 0"),
+        (device(subproc_count="true"), "devices[0].subproc_count: expected int"),
+        (device(is_mig_device=None), "devices[0]: missing required key 'is_mig_device'"),
+        (device() + device(), "devices[1].mother_uuid: duplicate device 'm1'"),
+        (device(mother_uuid='"a b"'), "not a usable device id"),
+        (device(utilization_ratio='{ pattern = "sine", min = 0, max = 2 }'), "utilization_ratio: out of range 0..1"),
+        (device(power_watts='{ pattern = "zigzag", min = 0, max = 2 }'), "power_watts.pattern: expected sine, ramp or square"),
+        (device(model_name='"MIGGPU"', is_mig_device="true"), "needs a '-<profile>' suffix"),
+        (mig(2) + MIG_PARENT, "3g.40gb cannot be placed at 2:4"),
+        (mig(0, "20g") + MIG_PARENT, "'20g' is not a MIG profile of NVIDIA A100-SXM4-80GB"),
+        (mig(0) + mig(0, "2g.20gb") + MIG_PARENT, "conflicts with GPU instance 1"),
+        (mig(0) + device(mother_uuid='"m9"', model_name='"MIG-1g.10gb"', is_mig_device="true") + MIG_PARENT,
+         "placement_start is needed"),
+        (device() + '[mig_parents.m1]\nmodel_name = "x"\n', "mig_parents.m1: not the mother_uuid of MIG devices"),
+    ],
+)
+def test_a_bad_file_is_an_error_naming_the_file_and_the_reason(tmp_path: Path, text: str, reason: str) -> None:
+    path = tmp_path / "devices.toml"
+    path.write_text(text)
+    with pytest.raises(MockConfigError) as caught:
+        MockSource(path)
+    assert isinstance(caught.value, SourceConfigError)  # the CLI exits with status 2
+    assert caught.value.path == path
+    assert str(caught.value).startswith(f"{path}: ")
+    assert reason in str(caught.value)
+
+
+def test_a_missing_file_is_an_error_naming_it(tmp_path: Path) -> None:
+    with pytest.raises(MockConfigError, match=r"nope\.toml: cannot read the file"):
+        MockSource(tmp_path / "nope.toml")
