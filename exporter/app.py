@@ -82,7 +82,8 @@ class Exporter:
     :param clock: unix time (kernel state timestamps, staleness, telemetry timestamps).
     :param monotonic: seconds for durations (idle and no-process windows).
     :param telemetry: a ready telemetry source (tests pass a fake); by default one is opened
-        from ``--telemetry.source`` at :meth:`start`.
+        from ``--telemetry.source`` here.
+    :raises SourceConfigError: the source cannot be opened (a bad mock file).
     """
 
     def __init__(
@@ -96,7 +97,11 @@ class Exporter:
         self.settings = settings
         self.clock = clock
         self.params = headroom_params(settings)
-        self._source = telemetry
+        # Opened now (the mock file is read, NVML probed for ``auto``) so that the telemetry part's
+        # ``collector`` name is the source's own from the first render on.
+        self._source = telemetry or open_source(
+            settings.telemetry_source, mock_file=settings.telemetry_mock_file, pcie=settings.telemetry_pcie
+        )
         self.sampler: TelemetrySampler | None = None
         self._tracker = AttributionTracker(
             ProcFS(str(settings.path_procfs)), monotonic, idle_threshold_ratio=settings.attribution_idle_threshold_ratio
@@ -118,17 +123,16 @@ class Exporter:
         )
         self._ready = threading.Event()
         self.collector = ExporterCollector(
-            exporter_parts(self, agent_id=settings.agent_id, process_detail=settings.attribution_process_detail)
+            exporter_parts(self, telemetry_source=self._source.name, agent_id=settings.agent_id,
+                           process_detail=settings.attribution_process_detail),
+            clock,
         )
         self.routes = Routes(self, [str(r) for r in settings.scratch_roots])
 
     # -- lifecycle -----------------------------------------------------------------------------
 
     def start(self) -> None:
-        source = self._source or open_source(
-            self.settings.telemetry_source, mock_file=self.settings.telemetry_mock_file, pcie=self.settings.telemetry_pcie
-        )
-        self.sampler = TelemetrySampler(source, self.settings.telemetry_interval, self.settings.telemetry_timeout, self.clock)
+        self.sampler = TelemetrySampler(self._source, self.settings.telemetry_interval, self.settings.telemetry_timeout, self.clock)
         try:
             self.watcher.start()  # returns after the first full scan
         except BaseException:
@@ -145,7 +149,9 @@ class Exporter:
     def close(self) -> None:
         self._stop.set()
         if self.sampler is not None:
-            self.sampler.close()  # also wakes the analysis thread
+            self.sampler.close()  # also wakes the analysis thread, and closes the source
+        else:
+            self._source.close()
         if self._analyser is not None:
             self._analyser.join()
         self.watcher.close()

@@ -15,9 +15,9 @@ from __future__ import annotations
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from exporter.analysis.attribution import AttributionResult
-from exporter.metrics.status import collector_status
+from exporter.metrics.status import Health
 
-__all__ = ["attribution_families"]
+__all__ = ["attribution_families", "attribution_health"]
 
 _KERNEL = ["kernel_id", "device_id"]
 _UNATTRIBUTED = ["device_id", "reason"]
@@ -52,14 +52,13 @@ def _gauge(name: str, documentation: str, labels: list[str]) -> GaugeMetricFamil
 
 
 def attribution_families(result: AttributionResult | None, *, process_detail: bool = False) -> list[Metric]:
-    """Families for one result; None (no telemetry sample attributed yet) reports only failure.
+    """Families for one result; None (no telemetry sample attributed yet) has none.
 
     :param process_detail: add per-process families labelled with ``pid`` (one series per GPU
         process and device: for debugging, off by default).
     """
     if result is None:
-        return collector_status("attribution", False)
-    status = collector_status("attribution", True, result.duration_seconds)
+        return []
 
     kernel = [(_gauge(name, doc, _KERNEL), field) for name, doc, field in _KERNEL_FAMILIES]
     breach = _gauge("gpu_alloc_kernel_isolation_breach", "1 if the kernel runs processes on a device it was not allocated, else 0", _KERNEL)
@@ -90,7 +89,7 @@ def attribution_families(result: AttributionResult | None, *, process_detail: bo
     for device_id, ok in sorted(result.devices.items()):
         attributable.add_metric([device_id], int(ok))
 
-    families = [*status, *(f for f, _ in kernel), breach, processes, memory, attributable]
+    families = [*(f for f, _ in kernel), breach, processes, memory, attributable]
     if process_detail:
         p_memory = _gauge("gpu_alloc_process_memory_used_bytes", "GPU memory used by one process (kernel_id empty when unattributed)", _PROCESS)
         p_util = _gauge("gpu_alloc_process_utilization_ratio", "SM utilisation of one process (0-1) from NVML per-process samples", _PROCESS)
@@ -102,3 +101,8 @@ def attribution_families(result: AttributionResult | None, *, process_detail: bo
                 p_util.add_metric(labels, p.utilization_ratio)
         families += [p_memory, p_util]
     return families
+
+
+def attribution_health(result: AttributionResult | None) -> Health:
+    """Failed until a telemetry sample has been attributed; then the last pass's duration."""
+    return Health(False) if result is None else Health(True, result.duration_seconds)

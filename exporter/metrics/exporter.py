@@ -7,7 +7,6 @@ import platform
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from exporter import __version__
-from exporter.metrics.status import collector_status
 from exporter.scratch.watcher import WatcherStatus
 
 __all__ = ["build_info", "watcher_families"]
@@ -24,8 +23,7 @@ def build_info(agent_id: str | None) -> Metric:
 
 
 def watcher_families(status: WatcherStatus) -> list[Metric]:
-    """The scratch watcher's own health, and the scratch collector's success and duration."""
-    scan_ok = all(s.ok for s in status.last_scan)
+    """The scratch watcher's own health."""
     out = [
         _one("gpu_alloc_watcher_up", "1 if the scratch watcher's threads are alive", int(status.up)),
         _one("gpu_alloc_watcher_degraded", "1 if events may be missed (inotify watch limit, unreadable root); rescans then run at the poll interval", int(status.degraded is not None)),
@@ -41,7 +39,6 @@ def watcher_families(status: WatcherStatus) -> list[Metric]:
     for s in status.last_scan:
         roots.add_metric([s.root], int(s.ok))
     out.append(roots)
-    out += collector_status("scratch", scan_ok and bool(status.last_scan), sum(s.duration_seconds for s in status.last_scan))
     return out
 
 

@@ -14,11 +14,12 @@ from prometheus_client.core import Metric
 
 from exporter.analysis.node import Analysis, HeadroomParams, Inventory, inventory_from_snapshot
 from exporter.metrics.allocation import KernelText, allocation_families, kernel_families, unknown_device_families
-from exporter.metrics.attribution import attribution_families
+from exporter.metrics.attribution import attribution_families, attribution_health
 from exporter.metrics.exporter import build_info, watcher_families
 from exporter.metrics.headroom import headroom_families
 from exporter.metrics.registry import Part, render_families
-from exporter.metrics.telemetry import telemetry_families
+from exporter.metrics.status import Health
+from exporter.metrics.telemetry import telemetry_families, telemetry_health
 from exporter.scratch.allocation import AllocationBook, AllocationView
 from exporter.scratch.watcher import ScratchWatcher
 from exporter.telemetry.devices import DeviceResolver
@@ -42,9 +43,11 @@ class NodeReader(Protocol):
     def resolver(self, view: AllocationView, snapshot: TelemetrySnapshot) -> DeviceResolver: ...
 
 
-def exporter_parts(node: NodeReader, *, agent_id: str | None, process_detail: bool) -> list[Part]:
+def exporter_parts(node: NodeReader, *, telemetry_source: str, agent_id: str | None, process_detail: bool) -> list[Part]:
     """Each part with the token its output depends on (see :meth:`ExporterCollector.render`).
 
+    :param telemetry_source: the telemetry part's ``collector`` name: the source's own (``nvml``,
+        ``mock``, ``none``), fixed for the life of the exporter.
     :param agent_id: the ``agent_id`` label of ``gpu_alloc_build_info``.
     :param process_detail: export per-process attribution series (``--attribution.process-detail``).
     """
@@ -73,16 +76,22 @@ def exporter_parts(node: NodeReader, *, agent_id: str | None, process_detail: bo
         view = book.view()
         return render_families(allocation_families(view)) + kernel_text.render(view)
 
+    def scratch_health() -> Health:
+        scans = watcher.status().last_scan
+        return Health(bool(scans) and all(s.ok for s in scans), sum(s.duration_seconds for s in scans))
+
     def headroom_token() -> Hashable:
         # Headroom depends on the inventory (capacity, MIG layout), not on each sample's readings.
         return (book.version, node.analysis.liveness_version, inventory())
 
     return [
         Part("build", lambda: [build_info(agent_id)], lambda: 0),
-        Part("scratch", scratch, lambda: book.version, scratch_text),
-        Part("watcher", lambda: watcher_families(watcher.status()), watcher.status),
-        Part("telemetry", telemetry, lambda: (book.version, node.sampler_version())),
+        Part("scratch", scratch, lambda: book.version, scratch_text, scratch_health),
+        Part("watcher", lambda: watcher_families(watcher.status()), watcher.status,
+             health=lambda: Health(watcher.status().up)),
+        Part(telemetry_source, telemetry, lambda: (book.version, node.sampler_version()),
+             health=lambda: telemetry_health(node.snapshot())),
         Part("headroom", headroom, headroom_token),
         Part("attribution", lambda: attribution_families(node.analysis.attribution, process_detail=process_detail),
-             lambda: node.analysis.version),
+             lambda: node.analysis.version, health=lambda: attribution_health(node.analysis.attribution)),
     ]

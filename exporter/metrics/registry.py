@@ -3,6 +3,12 @@
 A *part* (scratch, watcher, telemetry, headroom, attribution, build) builds its families fresh
 from published, immutable snapshots; :class:`ExporterCollector` renders each part only when its
 token changed and serves the rest from cached text, so a scrape never recomputes what did not move.
+
+The registry alone reports on the parts, as node_exporter's ``execute()`` does: every render has
+exactly one ``gpu_alloc_collector_success``, ``_duration_seconds`` and ``_last_success_timestamp_seconds``
+sample per part, under a ``collector`` name fixed when the registry is built. A part that raises is
+logged, shows ``success 0`` and contributes no series of its own (its last good output is dropped,
+not served stale); it is never cached, so the next scrape tries it again.
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ from __future__ import annotations
 import gzip
 import logging
 import threading
+import time
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 
@@ -17,7 +24,7 @@ from prometheus_client import generate_latest
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
-from exporter.metrics.status import collector_status
+from exporter.metrics.status import Health, PartStatus, status_families
 
 __all__ = ["ExporterCollector", "Part", "merge", "render_families"]
 
@@ -25,7 +32,7 @@ log = logging.getLogger(__name__)
 
 
 def merge(families: Iterable[Metric]) -> list[Metric]:
-    """Families of the same name joined into one (every part reports gpu_alloc_collector_success).
+    """Families of the same name joined into one (several parts may add to one family).
     Builds new families, so cached ones are never mutated."""
     by_name: dict[str, Metric] = {}
     for fam in families:
@@ -41,13 +48,25 @@ class Part:
 
     :param token: returns a value that changes whenever the families would; it is read *before*
         the families are built, so a cached rendering is never older than its token.
+    :param text: a faster renderer of the same families as text; None: ``generate_latest``.
+    :param health: the verdict of the part's background work (a failed telemetry cycle is
+        ``success 0`` even though its families render); None: the render's own success.
     """
 
     name: str
     families: Callable[[], Iterable[Metric]]
     token: Callable[[], Hashable]
-    # A faster renderer of the same families as text, for render(); None: generate_latest.
     text: Callable[[], bytes] | None = None
+    health: Callable[[], Health] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Cached:
+    token: Hashable
+    text: bytes
+    gzipped: bytes | None  # computed on the first gzip request
+    duration_seconds: float  # the render that produced ``text``
+    rendered_at: float  # unix time of that render: the part's last successful run
 
 
 def render_families(families: list[Metric]) -> bytes:
@@ -69,60 +88,95 @@ class ExporterCollector(Collector):
     """Every family of every part: a custom collector, plus cached rendering.
 
     Parts are independent, so adding one (telemetry, headroom, attribution) never touches this
-    class. A part that raises is logged and reported as ``gpu_alloc_collector_success{collector}
-    0``; the scrape itself still succeeds with everything else.
-
-    :meth:`render` renders each part only when its token changed and serves the rest from
+    class. :meth:`render` renders each part only when its token changed and serves the rest from
     cached text (plain and gzip): at 10,000 kernels the per-kernel families are ~20,000 samples,
     ~150 ms to render, and they change only with the scratch tree, not every telemetry sample.
+
+    :param parts: the parts, in exposition order; their names are the ``collector`` label values.
+    :param clock: unix time, for the last-success timestamp of parts that report none themselves.
     """
 
-    def __init__(self, parts: Iterable[Part]) -> None:
+    def __init__(self, parts: Iterable[Part], clock: Callable[[], float] = time.time) -> None:
         self._parts = list(parts)
+        names = [p.name for p in self._parts]
+        if len(set(names)) != len(names):
+            raise ValueError(f"collector part names repeat: {names}")
+        self._clock = clock
         self._lock = threading.Lock()
-        # name -> (token, text, gzipped text or None until asked for, status families)
-        self._cache: dict[str, tuple[Hashable, bytes, bytes | None, list[Metric]]] = {}
+        self._cache: dict[str, _Cached] = {}
+        self._last_success: dict[str, float] = {}
+        self._failing: set[str] = set()
 
     def collect(self) -> list[Metric]:
-        return merge(fam for part in self._parts for fam in self._run(part))
+        """The prometheus_client protocol: every part's families built fresh, then the status families."""
+        families, rows = [], []
+        for part in self._parts:
+            start = time.perf_counter()
+            try:
+                built = list(part.families())
+                health = self._health(part)
+            except Exception:
+                self._failed(part)
+                rows.append(self._row(part, False, time.perf_counter() - start, None, None))
+                continue
+            families += built
+            rows.append(self._row(part, health.success, time.perf_counter() - start, health, self._clock()))
+        return merge([*families, *status_families(rows)])
 
     def render(self, gzipped: bool = False) -> bytes:
         """The exposition in text format 0.0.4 (gzip members concatenated when ``gzipped``)."""
         with self._lock:
-            body, status = [], []
+            body, rows = [], []
             for part in self._parts:
-                token = part.token()
-                cached = self._cache.get(part.name)
-                if cached is None or cached[0] != token:
-                    text, status_families = self._render_part(part)
-                    cached = (token, text, None, status_families)
-                if gzipped and cached[2] is None:
-                    cached = (cached[0], cached[1], gzip.compress(cached[1], compresslevel=1), cached[3])
-                self._cache[part.name] = cached
-                body.append(cached[2] if gzipped else cached[1])
-                status += cached[3]
-            # Status families come from every part and are tiny: merged and rendered each time.
-            tail = render_families(merge(status))
+                start = time.perf_counter()
+                try:
+                    cached = self._current(part)
+                    if gzipped and cached.gzipped is None:
+                        cached = _Cached(cached.token, cached.text, gzip.compress(cached.text, compresslevel=1),
+                                         cached.duration_seconds, cached.rendered_at)
+                        self._cache[part.name] = cached
+                    health = self._health(part)
+                except Exception:
+                    self._cache.pop(part.name, None)  # never serve a failed part's old series
+                    self._failed(part)
+                    rows.append(self._row(part, False, time.perf_counter() - start, None, None))
+                    continue
+                body.append(cached.gzipped if gzipped else cached.text)
+                rows.append(self._row(part, health.success, cached.duration_seconds, health, cached.rendered_at))
+            # The status families change every render and are tiny: rendered each time.
+            tail = render_families(status_families(rows))
             body.append(gzip.compress(tail, compresslevel=1) if gzipped else tail)
             return b"".join(body)
 
-    def _render_part(self, part: Part) -> tuple[bytes, list[Metric]]:
-        if part.text is not None:
-            try:
-                return part.text(), []
-            except Exception:
-                log.exception("collector %s failed", part.name)
-                return b"", collector_status(part.name, False)
-        families = self._run(part)
-        own = [f for f in families if not f.name.startswith(_STATUS_PREFIX)]
-        return render_families(own), [f for f in families if f.name.startswith(_STATUS_PREFIX)]
+    def _current(self, part: Part) -> _Cached:
+        token = part.token()
+        cached = self._cache.get(part.name)
+        if cached is None or cached.token != token:
+            start = time.perf_counter()
+            text = part.text() if part.text is not None else render_families(list(part.families()))
+            cached = _Cached(token, text, None, time.perf_counter() - start, self._clock())
+            self._cache[part.name] = cached
+        return cached
 
-    def _run(self, part: Part) -> list[Metric]:
-        try:
-            return list(part.families())
-        except Exception:
+    def _health(self, part: Part) -> Health:
+        health = part.health() if part.health is not None else Health(True)
+        if part.name in self._failing:
+            self._failing.discard(part.name)
+            log.info("collector %s recovered", part.name)
+        return health
+
+    def _failed(self, part: Part) -> None:
+        # One traceback per failure streak: a part that fails on every scrape must not flood the log.
+        if part.name not in self._failing:
+            self._failing.add(part.name)
             log.exception("collector %s failed", part.name)
-            return collector_status(part.name, False)
 
-
-_STATUS_PREFIX = "gpu_alloc_collector_"
+    def _row(self, part: Part, success: bool, duration: float, health: Health | None, ran_at: float | None) -> PartStatus:
+        """The status row; a part's own figures (``health``) win over the registry's render figures."""
+        if health is not None and health.duration_seconds is not None:
+            duration = health.duration_seconds
+        if health is not None and health.last_success_timestamp is not None:
+            self._last_success[part.name] = health.last_success_timestamp
+        elif success and ran_at is not None:
+            self._last_success[part.name] = ran_at
+        return PartStatus(part.name, success, duration, self._last_success.get(part.name))

@@ -19,11 +19,11 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from exporter.metrics.status import collector_status
+from exporter.metrics.status import Health
 from exporter.telemetry.devices import DeviceResolver
 from exporter.telemetry.model import DeviceReading, MigDeviceReading, TelemetrySnapshot
 
-__all__ = ["telemetry_families"]
+__all__ = ["telemetry_families", "telemetry_health"]
 
 _Getter = Callable[[DeviceReading], Any]
 
@@ -206,5 +206,9 @@ def telemetry_families(snapshot: TelemetrySnapshot, resolver: DeviceResolver) ->
                 "XID errors the driver reported since the exporter started, by XID code.", labels, xid.count)
         out.add("gauge", "gpu_alloc_xid_last_seen_timestamp_seconds",
                 "When the driver last reported this XID for the GPU.", labels, xid.last_seen_timestamp)
-    status = collector_status(snapshot.source, snapshot.success, snapshot.duration_seconds, snapshot.last_success_timestamp)
-    return status + out.result()
+    return out.result()
+
+
+def telemetry_health(snapshot: TelemetrySnapshot) -> Health:
+    """The sampler's last cycle: success, how long it took, and when a cycle last succeeded."""
+    return Health(snapshot.success, snapshot.duration_seconds, snapshot.last_success_timestamp)

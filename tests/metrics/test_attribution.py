@@ -10,11 +10,13 @@ from helpers import GPU, K1, K2, K4, K5, K6, LEAKED_MIG, MIG, Clock, GiB, dgx, r
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.registry import Collector
 
-from exporter.metrics.attribution import attribution_families
+from exporter.metrics.attribution import attribution_families, attribution_health
+from exporter.metrics.registry import ExporterCollector, Part
 
 FAMILIES = {
     "gpu_alloc_collector_success",
     "gpu_alloc_collector_duration_seconds",
+    "gpu_alloc_collector_last_success_timestamp_seconds",
     "gpu_alloc_kernel_processes",
     "gpu_alloc_kernel_memory_used_bytes",
     "gpu_alloc_kernel_utilization_ratio",
@@ -38,7 +40,8 @@ class _Families(Collector):
 
 def registry_for(result, **kw) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Families(attribution_families(result, **kw)))
+    part = Part("attribution", lambda: attribution_families(result, **kw), lambda: 0, health=lambda: attribution_health(result))
+    registry.register(ExporterCollector([part]))
     return registry
 
 
@@ -111,7 +114,8 @@ def test_allocation_and_use_never_share_a_family(result):
 
 def test_no_result_reports_failure_only():
     reg = registry_for(None)
-    assert [m.name for m in reg.collect()] == ["gpu_alloc_collector_success"]
+    # The registry reports the part (failed, with its render time); the part itself has no series.
+    assert [m.name for m in reg.collect() if m.samples] == ["gpu_alloc_collector_success", "gpu_alloc_collector_duration_seconds"]
     assert reg.get_sample_value("gpu_alloc_collector_success", {"collector": "attribution"}) == 0
 
 

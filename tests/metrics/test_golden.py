@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from exporter.app import Exporter
 from exporter.demo import write_kernel
 from exporter.metrics.registry import ExporterCollector, Part
-from exporter.metrics.telemetry import telemetry_families
+from exporter.metrics.telemetry import telemetry_families, telemetry_health
 from exporter.settings import Settings
 from exporter.telemetry.devices import DeviceResolver
 from exporter.telemetry.mock import DEMO_DEVICES_FILE, MockSource
@@ -129,7 +129,8 @@ def _mock_devices() -> TelemetrySnapshot:
 def test_telemetry_golden(name: str, snapshot, update_golden: bool) -> None:
     snap = snapshot()
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(ExporterCollector([Part("telemetry", lambda: telemetry_families(snap, DeviceResolver(snap)), lambda: 0)]))
+    registry.register(ExporterCollector([Part(snap.source, lambda: telemetry_families(snap, DeviceResolver(snap)), lambda: 0,
+                                              health=lambda: telemetry_health(snap))], clock=lambda: NOW))
     text = generate_latest(registry).decode()
     golden = GOLDEN_FILE.with_name(name)
     if update_golden:

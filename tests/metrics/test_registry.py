@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -17,7 +18,7 @@ from prometheus_client.core import GaugeMetricFamily
 from exporter.metrics.allocation import KernelText, allocation_families, kernel_families
 from exporter.metrics.exporter import build_info, watcher_families
 from exporter.metrics.registry import ExporterCollector, Part, render_families
-from exporter.metrics.status import collector_status
+from exporter.metrics.status import Health
 from exporter.scratch.allocation import AllocationBook
 from exporter.scratch.reader import Scanner, ScanStats
 from exporter.scratch.watcher import WatcherStatus
@@ -36,13 +37,16 @@ def render(tree: Path, status: WatcherStatus = STATUS) -> bytes:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(ExporterCollector([
         Part("build", lambda: [build_info("agent-1")], lambda: 0),
-        Part("scratch", lambda: allocation_families(book.view()) + kernel_families(book.view()) + watcher_families(status), lambda: 0),
-    ]))
+        Part("scratch", lambda: allocation_families(book.view()) + kernel_families(book.view()) + watcher_families(status), lambda: 0,
+             health=lambda: Health(all(s.ok for s in status.last_scan), sum(s.duration_seconds for s in status.last_scan))),
+    ], clock=lambda: 1.7e9))
     return generate_latest(registry)
 
 
 def test_golden_metrics(update_golden: bool) -> None:
     text = render(FIXTURE).decode().replace(__import__("platform").python_version(), "PYTHON")
+    # The build part's duration is its measured render time.
+    text = re.sub(r'^(gpu_alloc_collector_duration_seconds\{collector="build"\}) .*$', r"\1 0", text, flags=re.M)
     if update_golden:
         GOLDEN_FILE.write_text(text)
     assert text == GOLDEN_FILE.read_text(), "exposition changed; review and run pytest --update-golden"
@@ -78,37 +82,71 @@ def test_a_failing_source_reports_success_0_and_the_scrape_still_works() -> None
 def test_a_failed_scan_reports_success_0() -> None:
     status = WatcherStatus(**{**STATUS.__dict__, "last_scan": (ScanStats("/gone", 0, 0.0, False, "No such file"),)})
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(ExporterCollector([Part("scratch", lambda: watcher_families(status), lambda: 0)]))
+    registry.register(ExporterCollector([Part("scratch", lambda: watcher_families(status), lambda: 0,
+                                              health=lambda: Health(all(s.ok for s in status.last_scan)))]))
     assert registry.get_sample_value("gpu_alloc_collector_success", {"collector": "scratch"}) == 0
     assert registry.get_sample_value("gpu_alloc_scratch_root_up", {"scratch_root": "/gone"}) == 0
 
 
-def test_render_reuses_unchanged_parts_and_merges_status_families() -> None:
+def test_render_reuses_unchanged_parts_and_reports_every_part() -> None:
     calls = {"big": 0, "small": 0}
     version = {"small": 0}
 
     def big():
         calls["big"] += 1
-        return collector_status("big", True, 0.5)
+        return [GaugeMetricFamily("gpu_alloc_big", "a value", value=1)]
 
     def small():
         calls["small"] += 1
-        fams = collector_status("small", True)
-        fams.append(GaugeMetricFamily("gpu_alloc_small", "a value", value=version["small"]))
-        return fams
+        return [GaugeMetricFamily("gpu_alloc_small", "a value", value=version["small"])]
 
-    collector = ExporterCollector([Part("big", big, lambda: 0), Part("small", small, lambda: version["small"])])
+    collector = ExporterCollector([Part("big", big, lambda: 0, health=lambda: Health(True, 0.5, 1.6e9)),
+                                   Part("small", small, lambda: version["small"])], clock=lambda: 1.7e9)
     first = collector.render()
     version["small"] = 1
     second = collector.render()
     assert calls == {"big": 1, "small": 2}
     assert b"gpu_alloc_small 0.0" in first and b"gpu_alloc_small 1.0" in second
-    # One family per name: both sources' status samples under a single HELP/TYPE.
+    # One family per name, one sample per part: the registry alone reports on the parts.
     assert second.count(b"# TYPE gpu_alloc_collector_success gauge") == 1
     assert b'gpu_alloc_collector_success{collector="big"} 1.0' in second
+    assert b'gpu_alloc_collector_success{collector="small"} 1.0' in second
+    assert b'gpu_alloc_collector_duration_seconds{collector="big"} 0.5' in second  # the part's own figure
+    assert b'gpu_alloc_collector_last_success_timestamp_seconds{collector="big"} 1.6e+09' in second
+    assert b'gpu_alloc_collector_last_success_timestamp_seconds{collector="small"} 1.7e+09' in second
     assert gzip.decompress(collector.render(gzipped=True)) == second
     result = subprocess.run(["promtool", "check", "metrics"], input=second, capture_output=True)
     assert result.returncode == 0, result.stderr.decode()
+
+
+def test_a_failed_part_is_dropped_not_cached_and_retried() -> None:
+    state = {"fail": False, "token": 0, "calls": 0}
+
+    def flaky():
+        state["calls"] += 1
+        if state["fail"]:
+            raise RuntimeError("boom")
+        return [GaugeMetricFamily("gpu_alloc_flaky", "a value", value=state["token"])]
+
+    clock = [100.0]
+    collector = ExporterCollector([Part("flaky", flaky, lambda: state["token"])], clock=lambda: clock[0])
+    assert b"gpu_alloc_flaky 0.0" in collector.render()
+    state.update(fail=True, token=1)
+    clock[0] = 200.0
+    failed = collector.render()
+    assert b"gpu_alloc_flaky " not in failed  # the last good series is dropped, not served stale
+    assert b'gpu_alloc_collector_success{collector="flaky"} 0.0' in failed
+    assert b'gpu_alloc_collector_last_success_timestamp_seconds{collector="flaky"} 100.0' in failed
+    collector.render()
+    assert state["calls"] == 3  # not cached: tried again on the next scrape
+    state["fail"] = False
+    recovered = collector.render()
+    assert b"gpu_alloc_flaky 1.0" in recovered and b'gpu_alloc_collector_success{collector="flaky"} 1.0' in recovered
+
+
+def test_part_names_are_unique() -> None:
+    with pytest.raises(ValueError, match="repeat"):
+        ExporterCollector([Part("a", list, lambda: 0), Part("a", list, lambda: 0)])
 
 
 @settings(max_examples=60, deadline=None)

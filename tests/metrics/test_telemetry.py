@@ -11,7 +11,8 @@ from fake_nvml import FakeNvml
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from exporter.metrics.telemetry import telemetry_families
+from exporter.metrics.registry import ExporterCollector, Part
+from exporter.metrics.telemetry import telemetry_families, telemetry_health
 from exporter.telemetry.devices import DeviceResolver
 from exporter.telemetry.mock import DEMO_DEVICES_FILE, MockSource
 from exporter.telemetry.model import DeviceReading, TelemetrySnapshot, XidCounter
@@ -23,7 +24,10 @@ class _Collector:
         self.snapshot, self.resolver = snapshot, resolver
 
     def collect(self):
-        return telemetry_families(self.snapshot, self.resolver)
+        # As the exporter wires it: the part named after the source, the registry reporting its health.
+        part = Part(self.snapshot.source, lambda: telemetry_families(self.snapshot, self.resolver), lambda: 0,
+                    health=lambda: telemetry_health(self.snapshot))
+        return ExporterCollector([part]).collect()
 
 
 def registry_for(snapshot: TelemetrySnapshot, scheme: str = "auto") -> CollectorRegistry:

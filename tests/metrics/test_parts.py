@@ -1,0 +1,87 @@
+"""The collector contract on the exporter's real parts, as node_exporter's ``execute()`` keeps it:
+every render has one status sample per part under names fixed at start; a part that raises shows
+``success 0``, drops its own series, and is tried again (and recovers) on the next scrape."""
+
+from __future__ import annotations
+
+from collections import Counter
+from decimal import Decimal
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+import exporter.metrics.parts as parts_module
+from exporter.app import Exporter
+from exporter.demo import write_kernel
+from exporter.settings import Settings
+from exporter.telemetry.mock import DEMO_DEVICES_FILE
+
+PARTS = ["build", "scratch", "watcher", "mock", "headroom", "attribution"]
+# (part, the function of exporter.metrics.parts that builds its families, a family only it emits)
+CASES = [
+    ("build", "build_info", "gpu_alloc_build_info"),
+    ("scratch", "allocation_families", "gpu_alloc_device_allocated"),
+    ("watcher", "watcher_families", "gpu_alloc_watcher_up"),
+    ("mock", "telemetry_families", "gpu_alloc_device_up"),
+    ("headroom", "headroom_families", "gpu_alloc_device_capacity"),
+    ("attribution", "attribution_families", None),
+]
+
+
+def samples(text: bytes) -> list[tuple[str, tuple, float]]:
+    return [(s.name, tuple(sorted(s.labels.items())), s.value)
+            for fam in text_string_to_metric_families(text.decode()) for s in fam.samples]
+
+
+def status(rows: list[tuple[str, tuple, float]]) -> dict[str, float]:
+    return {dict(labels)["collector"]: v for name, labels, v in rows if name == "gpu_alloc_collector_success"}
+
+
+@pytest.fixture
+def settings(tmp_path: Path) -> Settings:
+    root = tmp_path / "scratches"
+    write_kernel(root, "k1", {"cuda.shares": {"GPU-c59395cd-ac91-4cd3-a1b0-3d2568aa2d01": Decimal("0.5")}}, container_id="ab" * 32)
+    (tmp_path / "proc").mkdir()
+    return Settings.load({"scratch_roots": [str(root)], "telemetry_source": "mock", "telemetry_mock_file": str(DEMO_DEVICES_FILE),
+                          "path_procfs": str(tmp_path / "proc"), "path_cgroupfs": str(tmp_path), "telemetry_interval": 3600})
+
+
+def test_every_part_reports_once_under_a_fixed_name(settings: Settings) -> None:
+    exporter = Exporter(settings)
+    exporter.start()
+    try:
+        rows = samples(exporter.render())
+    finally:
+        exporter.close()
+    assert not [k for k, n in Counter((name, labels) for name, labels, _ in rows).items() if n > 1]
+    assert status(rows) == dict.fromkeys(PARTS, 1.0)
+
+
+@pytest.mark.parametrize(("part", "function", "family"), CASES, ids=[c[0] for c in CASES])
+def test_a_failing_part_is_dropped_then_recovers(settings: Settings, monkeypatch, part: str, function: str,
+                                                 family: str | None, caplog) -> None:
+    def broken(*_, **__):
+        raise RuntimeError("injected")
+
+    real = getattr(parts_module, function)
+    monkeypatch.setattr(parts_module, function, broken)
+    exporter = Exporter(settings)
+    exporter.start()
+    try:
+        failing = [samples(exporter.render()) for _ in range(2)]
+        monkeypatch.setattr(parts_module, function, real)
+        recovered = samples(exporter.render())
+    finally:
+        exporter.close()
+    for rows in (*failing, recovered):
+        assert not [k for k, n in Counter((name, labels) for name, labels, _ in rows).items() if n > 1]
+    for rows in failing:
+        assert status(rows) == {**dict.fromkeys(PARTS, 1.0), part: 0.0}  # the names never change
+        if family:
+            assert family not in {name for name, _, _ in rows}
+    assert status(recovered) == dict.fromkeys(PARTS, 1.0)
+    if family:
+        assert family in {name for name, _, _ in recovered}
+    # One traceback for the failure streak, not one per scrape.
+    assert sum(f"collector {part} failed" in r.getMessage() for r in caplog.records) == 1
