@@ -14,6 +14,7 @@ import logging
 import os
 import shutil
 import signal
+import stat
 import sys
 import tempfile
 import threading
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from exporter import __version__
+from exporter.logs import setup_logging
 from exporter.settings import ENV_PREFIX, ConfigError, Settings, parse_listen_address
 from exporter.telemetry.model import SourceConfigError
 
@@ -114,39 +116,18 @@ def build_parser(command: str) -> argparse.ArgumentParser:
     return parser
 
 
-def setup_logging(level: str, fmt: str) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(_JsonFormatter() if fmt == "json" else _LogfmtFormatter())
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level.upper())
-    # watchdog logs every overflow at WARNING; the watcher reports it itself.
-    logging.getLogger("watchdog").setLevel(logging.ERROR)
-
-
-class _LogfmtFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        msg = record.getMessage().replace('"', '\\"').replace("\n", "\\n")
-        line = f'ts={self.formatTime(record, "%Y-%m-%dT%H:%M:%S")} level={record.levelname.lower()} logger={record.name} msg="{msg}"'
-        if record.exc_info:
-            line += ' exc="' + self.formatException(record.exc_info).replace('"', '\\"').replace("\n", "\\n") + '"'
-        return line
-
-
-class _JsonFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        doc = {"ts": record.created, "level": record.levelname.lower(), "logger": record.name, "msg": record.getMessage()}
-        if record.exc_info:
-            doc["exc"] = self.formatException(record.exc_info)
-        return json.dumps(doc)
-
-
 def _check_roots(settings: Settings, allow_missing: bool) -> None:
     for root in settings.scratch_roots:
-        if not root.is_dir():
-            if allow_missing and not root.exists():
+        try:
+            is_dir = stat.S_ISDIR(os.stat(root).st_mode)
+        except FileNotFoundError:
+            if allow_missing:
                 log.warning("scratch root %s does not exist yet; waiting for it", root)
                 continue
+            is_dir = False
+        except OSError as exc:  # EACCES on a parent, ELOOP, EIO: the root cannot even be looked at
+            raise ConfigError(f"scratch root {root} cannot be read: {exc.strerror} (set --scratch.root)") from None
+        if not is_dir:
             raise ConfigError(f"scratch root {root} is not a directory (set --scratch.root)")
         if not os.access(root, os.R_OK | os.X_OK):
             raise ConfigError(f"scratch root {root} is not readable by uid {os.getuid()}")

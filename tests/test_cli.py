@@ -239,3 +239,23 @@ def test_simulate_live_and_over_http(tmp_path: Path, capsys) -> None:
         assert ex.stop() == 0
     assert main(["simulate", "--state", str(saved), "--request", "cuda.shares=2", "--output", "json"]) == 0
     assert json.loads(capsys.readouterr().out)["placement"] == live["placement"]
+
+
+def test_a_root_that_cannot_be_stat_ed_is_one_line_and_exit_2(tmp_path: Path, monkeypatch, capsys) -> None:
+    """EACCES on a parent directory (root itself is exempt, so the denial is injected at os.stat)."""
+    import os
+
+    from exporter import cli
+
+    root = tmp_path / "locked" / "scratches"
+    real_stat = os.stat
+
+    def stat(path, *args, **kwargs):
+        if Path(path) == root:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", stat)
+    assert cli.main(["--scratch.root", str(root), "--telemetry.source", "none", "--web.listen-address", "127.0.0.1:0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"gpu-alloc-exporter: scratch root {root} cannot be read: Permission denied (set --scratch.root)"]

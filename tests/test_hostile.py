@@ -106,6 +106,9 @@ def install(case: Path, root: Path, outside: Path) -> str:
     elif gen == "symlink-dangling":
         res.parent.mkdir(parents=True)
         res.symlink_to("does-not-exist.txt")
+    elif gen == "config-symlink-inside":  # a second name for canary-a's config/: never counted twice
+        kdir.mkdir()
+        (kdir / "config").symlink_to(Path("..", "canary-a", "config"))
     elif gen == "kernel-dir-symlink":
         write(outside / "kdir" / "config" / "resource.txt", SECRET_FILE)
         kdir.symlink_to(outside / "kdir")

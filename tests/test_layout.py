@@ -23,6 +23,7 @@ PACKAGE = ROOT / "exporter"
 LAYERS = {
     "exporter": 0,  # the package root: only __version__
     "exporter.units": 0,
+    "exporter.logs": 0,
     "exporter.scratch": 1,
     "exporter.telemetry": 1,
     "exporter.settings": 1,

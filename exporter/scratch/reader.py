@@ -88,8 +88,11 @@ _NOFOLLOW_FILE = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
 
 def _open_resource(root: str, kernel_id: str) -> int:
     """Open ``{kernel}/config/resource.txt`` one component at a time without following symlinks
-    (three cheap opens instead of a realpath per file). A symlink is followed only if it resolves
-    inside the scratch root."""
+    (three cheap opens instead of a realpath per file).
+
+    The agent never writes a symlink there. One that points out of the root would leak another
+    file; one that points at another kernel's ``config/`` would count that kernel twice (and take
+    over its inotify watch, which is per inode). Either way the kernel is refused."""
     config, name = RESOURCE_FILE.parts
     fds: list[int] = []
     try:
@@ -97,15 +100,16 @@ def _open_resource(root: str, kernel_id: str) -> int:
         fds.append(os.open(config, _NOFOLLOW_DIR, dir_fd=fds[-1]))
         return os.open(name, _NOFOLLOW_FILE, dir_fd=fds[-1])
     except OSError as exc:
-        if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
-            raise
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            kdir = os.path.join(root, kernel_id)
+            for what, path in (("the kernel directory", kdir), ("config/", os.path.join(kdir, config)),
+                               ("resource.txt", os.path.join(kdir, config, name))):
+                if os.path.islink(path):
+                    raise _Refused(f"{what} is a symlink (a kernel's config path must be its own, not a link)") from None
+        raise
     finally:
         for fd in fds:
             os.close(fd)
-    real_root, real = os.path.realpath(root), os.path.realpath(os.path.join(root, kernel_id, RESOURCE_FILE))
-    if os.path.commonpath([real_root, real]) != real_root:
-        raise _Refused("symlink points outside the scratch root")
-    return os.open(real, _NOFOLLOW_FILE)
 
 
 def _read_bounded(root: str, kernel_id: str, max_bytes: int) -> bytes:

@@ -26,6 +26,7 @@ import logging
 import os
 import re
 import select
+import stat
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -131,7 +132,11 @@ class ScratchWatcher:
         self.poll_interval = poll_interval
         self._mountinfo = mountinfo
         self._clock = clock
-        self._lock = threading.Lock()
+        # One re-entrant lock covers every check of the watch tables together with the
+        # registration that follows it: the inotify reader thread (events) and the worker thread
+        # (rescans, mount changes) both arm watches. watchdog runs our callbacks outside its own
+        # lock, so holding this one across add_callback cannot deadlock.
+        self._lock = threading.RLock()
         self._fd: InotifyFD | None = None
         self._root_watch: dict[str, _Watch] = {}
         self._kernel_watch: dict[tuple[str, str], _Watch] = {}
@@ -146,6 +151,7 @@ class ScratchWatcher:
         self._last_scan: tuple[ScanStats, ...] = ()
         self._degraded: dict[str, str] = {}
         self._mounts: set[str] = set()  # mount points at or below the scratch roots
+        self._limit_logged = False  # the watch limit was hit and said so; cleared when watches fit again
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -277,6 +283,9 @@ class ScratchWatcher:
                     self._arm_kernel(root, kernel_id)
                 self._drop_vanished(root)
         with self._lock:
+            if self._limit_logged and "inotify" not in self._degraded and self._fd is not None:
+                self._limit_logged = False
+                log.info("inotify watches fit again: back to events")
             self._last_scan = tuple(stats)
             self._rescans += 1
             for s in stats:
@@ -304,41 +313,42 @@ class ScratchWatcher:
     def _drop_vanished(self, root: str) -> None:
         known = self.scanner.book.known(root)
         with self._lock:
-            gone = [w for (r, k), w in self._kernel_watch.items() if r == root and k not in known]
-        for w in gone:
-            self._unwatch(w)
+            for w in [w for (r, k), w in self._kernel_watch.items() if r == root and k not in known]:
+                self._unwatch(w)
 
     # -- watches -------------------------------------------------------------------------------
 
     def _arm_root(self, root: str) -> None:
         with self._lock:
             current = self._root_watch.get(root)
-        if current is not None and current.ident == _ident(root):
-            return
-        if current is not None:
-            self._unwatch(current)
-        self._watch(root, None, root, _ROOT_MASK)
+            if current is not None and current.ident == _ident(root):
+                return
+            if current is not None:
+                self._unwatch(current)
+            self._watch(root, None, root, _ROOT_MASK)
 
     def _arm_kernel(self, root: str, kernel_id: str) -> bool:
-        """Watch ``config/`` if it exists, else the kernel directory. Returns True if (re)armed."""
+        """Watch ``config/`` if it is a real directory, else the kernel directory. Returns True if
+        (re)armed. A symlinked ``config/`` is never watched: inotify follows it to the inode of the
+        directory it names, whose watch (another kernel's) it would take over."""
         kdir = os.path.join(root, kernel_id)
         config = os.path.join(kdir, _CONFIG_NAME.decode())
-        ident = _ident(config)
-        path, mask = (config, _CONFIG_MASK) if ident else (kdir, _KERNEL_MASK)
-        ident = ident or _ident(kdir)
         with self._lock:
+            ident = _dir_ident(config)
+            path, mask = (config, _CONFIG_MASK) if ident else (kdir, _KERNEL_MASK)
+            ident = ident or _dir_ident(kdir)
             current = self._kernel_watch.get((root, kernel_id))
-        if current is not None and current.path == path and current.ident == ident:
-            return False
-        if current is not None:
-            self._unwatch(current)
-        if ident is None:
-            return False
-        armed = self._watch(root, kernel_id, path, mask)
-        if armed and path == kdir and _ident(config):
-            # config/ appeared between our check and the watch: its IN_CREATE is lost, move now.
-            return self._arm_kernel(root, kernel_id)
-        return armed
+            if current is not None and current.path == path and current.ident == ident:
+                return False
+            if current is not None:
+                self._unwatch(current)
+            if ident is None:
+                return False
+            armed = self._watch(root, kernel_id, path, mask)
+            if armed and path == kdir and _dir_ident(config):
+                # config/ appeared between our check and the watch: its IN_CREATE is lost, move now.
+                return self._arm_kernel(root, kernel_id)
+            return armed
 
     def _watch(self, root: str, kernel_id: str | None, path: str, mask: int) -> bool:
         fd = self._fd
@@ -351,6 +361,11 @@ class ScratchWatcher:
         except OSError as exc:
             if exc.errno == errno.ENOSPC:
                 with self._lock:
+                    if not self._limit_logged:
+                        self._limit_logged = True
+                        log.warning("inotify watch limit reached (fs.inotify.max_user_watches=%s, %d watches held): "
+                                    "changes are now found by rescans every %g s; raise the limit with sysctl",
+                                    _max_user_watches(), len(self._kernel_watch) + len(self._root_watch), self.poll_interval)
                     self._degraded["inotify"] = "watch limit reached (fs.inotify.max_user_watches); polling"
             elif exc.errno not in (errno.ENOENT, errno.ENOTDIR):
                 self._count_error(f"cannot watch {path}: {exc.strerror}")
@@ -368,9 +383,10 @@ class ScratchWatcher:
         return True
 
     def _unwatch(self, w: _Watch) -> None:
-        self._forget(w)
-        if self._fd is not None and w.wd >= 0:
-            self._fd.remove_callbacks([(w.wd, _CB_ID)])
+        with self._lock:
+            self._forget(w)
+            if self._fd is not None and w.wd >= 0:
+                self._fd.remove_callbacks([(w.wd, _CB_ID)])
 
     def _forget(self, w: _Watch) -> None:
         with self._lock:
@@ -383,8 +399,8 @@ class ScratchWatcher:
     def _forget_wd(self, wd: int) -> None:
         with self._lock:
             w = self._by_wd.get(wd)
-        if w is not None:
-            self._forget(w)
+            if w is not None:
+                self._forget(w)
 
     # -- events (on the inotify reader thread) ---------------------------------------------------
 
@@ -449,3 +465,20 @@ def _ident(path: str) -> tuple[int, int] | None:
     except OSError:
         return None
     return (st.st_dev, st.st_ino)
+
+
+def _dir_ident(path: str) -> tuple[int, int] | None:
+    """Like :func:`_ident` for a directory of a kernel, without following a symlink."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino) if stat.S_ISDIR(st.st_mode) else None
+
+
+def _max_user_watches() -> str:
+    try:
+        with open("/proc/sys/fs/inotify/max_user_watches") as f:
+            return f.read().strip()
+    except OSError:
+        return "unknown"

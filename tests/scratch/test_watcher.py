@@ -216,3 +216,61 @@ def test_a_filesystem_mounted_over_a_kernel_directory_is_followed(tmp_path: Path
             assert watcher.status().rescans_total == 1  # events and the mount table, not a rescan
         finally:
             subprocess.run(["umount", str(tmp_path / "k1")], check=True)
+
+
+def test_a_config_symlinked_to_another_kernel_never_takes_its_watch(watched) -> None:
+    root, book, _, watcher = watched
+    write_kernel(root, "real", {"cuda.shares": {"GPU-a": Decimal("0.5")}})
+    wait_for(lambda: book.view().alloc_map == {"GPU-a": "0.5"})
+    (root / "alias").mkdir()
+    (root / "alias" / "config").symlink_to(Path("..", "real", "config"))
+    wait_for(lambda: "alias" in book.view().kernels)
+    assert book.view().kernels["alias"].state is KernelState.INVALID
+    assert book.view().alloc_map == {"GPU-a": "0.5"}  # counted once
+    # The real kernel's rewrite arrives by its own inotify watch (the rescan is an hour away).
+    write_kernel(root, "real", {"cuda.shares": {"GPU-a": Decimal("0.25")}})
+    wait_for(lambda: book.view().alloc_map == {"GPU-a": "0.25"})
+
+
+def test_arming_from_both_threads_registers_each_watch_once(tmp_path: Path, recwarn) -> None:
+    """The reader thread (events) and the worker (rescans) arm watches at the same time; the watch
+    tables must stay one entry per kernel and watchdog must never see a callback registered twice."""
+    book = AllocationBook()
+    with ScratchWatcher(Scanner(book), [str(tmp_path)], rescan_interval=3600) as watcher:
+        stop = threading.Event()
+
+        def rescans() -> None:
+            while not stop.is_set():
+                watcher._full_scan(force=False, recheck=True)
+
+        thread = threading.Thread(target=rescans)
+        thread.start()
+        try:
+            for i in range(150):
+                write_kernel(tmp_path, f"k{i:03d}", {"cuda.shares": {"GPU-a": Decimal("0.01")}})
+                if i % 3 == 0:
+                    shutil.rmtree(tmp_path / f"k{i:03d}")
+        finally:
+            stop.set()
+            thread.join()
+        wait_for(lambda: len(book.view().kernels) == 100, timeout=30)
+        watcher._full_scan(force=False)
+        assert watcher.status().watches == 101  # 100 kernels' config/ and the root
+    assert not [w for w in recwarn if "already exists" in str(w.message)]
+
+
+def test_reaching_the_watch_limit_logs_one_line(watched, monkeypatch, caplog) -> None:
+    import errno
+
+    root, book, _, watcher = watched
+
+    def full(*_):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(watcher._fd, "add_callback", full)
+    for i in range(5):
+        write_kernel(root, f"k{i}", {"cuda.shares": {"GPU-a": Decimal("0.1")}})
+    wait_for(lambda: watcher.status().degraded is not None)
+    watcher._full_scan(force=False)
+    lines = [r.getMessage() for r in caplog.records if "watch limit" in r.getMessage()]
+    assert len(lines) == 1 and "fs.inotify.max_user_watches=" in lines[0] and "\n" not in lines[0]
