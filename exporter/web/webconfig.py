@@ -56,7 +56,7 @@ import ssl
 import threading
 import time
 import warnings
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -556,19 +556,36 @@ def parse_basic_auth(header: str) -> tuple[bytes, bytes] | None:
 
 
 class Authenticator:
-    """bcrypt checks with a cache, in one worker thread, never on the event loop.
+    """bcrypt checks with a cache, in one worker thread, never on the event loop, fair across clients.
 
-    :param max_pending: bcrypt checks allowed to wait at once; beyond that :meth:`check` answers
-        None (the server then says 429), so a password-guessing flood cannot queue unbounded work.
-    :param cache_size: remembered (user, hash, password) results (LRU).
+    Verified credentials are cached (keyed digests, LRU) and answered at once, so a scraper that got
+    in once never waits on bcrypt again. Uncached checks queue per client address and the worker
+    takes them round-robin across addresses: a flood of guesses from one address delays a first
+    login from another by at most one bcrypt run per busy address, instead of a whole queue.
+
+    Only failures are limited, per address: at most ``max_pending_per_peer`` uncached checks wait at
+    once, and an address that failed ``failure_burst`` times gets no further uncached check until its
+    budget refills (one attempt per ``failure_interval`` seconds). Beyond either, :meth:`check`
+    answers None (the server says 429). A client sharing its address with a guesser shares its
+    budget; one from another address is never refused.
+
+    Passwords are compared as Go's ``bcrypt.CompareHashAndPassword`` does (exporter-toolkit): only
+    the first 72 bytes count, so a hash made by a tool that truncated a longer password matches.
     """
 
-    def __init__(self, max_pending: int = 32, cache_size: int = 1024) -> None:
-        self.max_pending = max_pending
+    def __init__(self, max_pending_per_peer: int = 8, cache_size: int = 1024, failure_burst: int = 10,
+                 failure_interval: float = 1.0, max_peers: int = 4096,
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
+        self.max_pending_per_peer = max_pending_per_peer
         self.cache_size = cache_size
+        self.failure_burst, self.failure_interval, self.max_peers = failure_burst, failure_interval, max_peers
+        self._monotonic = monotonic
         self._cache: OrderedDict[bytes, bool] = OrderedDict()
         self._key = secrets.token_bytes(32)  # the cache holds keyed digests, never passwords
-        self._pending = 0
+        self._lanes: OrderedDict[str, deque[tuple[bytes, bytes, asyncio.Future]]] = OrderedDict()
+        self._failures: OrderedDict[str, tuple[float, float]] = OrderedDict()  # peer -> (tokens, at)
+        self._pending = 0  # checks queued or running
+        self._running = False
         self._executor: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self.bcrypt_runs = 0
@@ -587,36 +604,82 @@ class Authenticator:
                 self._cache.move_to_end(key)
         return None if verdict is None else (verdict and known)
 
-    async def check(self, users: Mapping[bytes, bytes], user: bytes, password: bytes) -> bool | None:
-        """Verify a login; None means too many checks are already waiting."""
+    def _failure_tokens(self, peer: str) -> float:
+        tokens, at = self._failures.get(peer, (float(self.failure_burst), 0.0))
+        return min(float(self.failure_burst), tokens + (self._monotonic() - at) / self.failure_interval)
+
+    def _failed(self, peer: str) -> None:
+        self._failures[peer] = (self._failure_tokens(peer) - 1.0, self._monotonic())
+        self._failures.move_to_end(peer)
+        while len(self._failures) > self.max_peers:
+            self._failures.popitem(last=False)
+
+    async def check(self, users: Mapping[bytes, bytes], user: bytes, password: bytes, peer: str = "") -> bool | None:
+        """Verify a login from address ``peer``; None means refused for now (too many pending or
+        failed checks from that address)."""
         verdict = self.cached(users, user, password)
         if verdict is not None:
+            if not verdict:
+                self._failed(peer)
             return verdict
-        if self._pending >= self.max_pending:
+        lane = self._lanes.get(peer)
+        if (lane is not None and len(lane) >= self.max_pending_per_peer) or self._failure_tokens(peer) < 1.0:
             return None
         known = user in users
         hashed = users.get(user, FAKE_HASH)
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bcrypt")
+        future = asyncio.get_running_loop().create_future()
+        if lane is None:
+            lane = self._lanes[peer] = deque()
+        lane.append((hashed, password, future))
         self._pending += 1
-        try:
-            ok = await asyncio.get_running_loop().run_in_executor(self._executor, self._bcrypt, hashed, password)
-        finally:
-            self._pending -= 1
+        self._next()
+        ok = await future
         key = self._cache_key(user, hashed, password)
         with self._lock:
             self._cache[key] = ok
             if len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
+        if not (ok and known):
+            self._failed(peer)
         return ok and known
+
+    def _next(self) -> None:
+        """Start the next check: the first waiting address's oldest, then that address goes last."""
+        while not self._running and self._lanes:
+            peer, lane = next(iter(self._lanes.items()))
+            hashed, password, future = lane.popleft()
+            if lane:
+                self._lanes.move_to_end(peer)
+            else:
+                del self._lanes[peer]
+            if future.done():  # its connection went away while it waited
+                self._pending -= 1
+                continue
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bcrypt")
+            self._running = True
+            job = asyncio.get_running_loop().run_in_executor(self._executor, self._bcrypt, hashed, password)
+            job.add_done_callback(lambda job, future=future: self._done(job, future))
+
+    def _done(self, job: asyncio.Future, future: asyncio.Future) -> None:
+        self._running = False
+        self._pending -= 1
+        if not future.done():
+            if job.cancelled() or job.exception() is not None:
+                future.set_result(False)
+            else:
+                future.set_result(job.result())
+        self._next()
 
     def _bcrypt(self, hashed: bytes, password: bytes) -> bool:
         import bcrypt
 
         self.bcrypt_runs += 1
         try:
-            return bcrypt.checkpw(password, hashed)
-        except ValueError:  # over 72 bytes (bcrypt 5 refuses rather than truncating), bad salt
+            # Go's CompareHashAndPassword keys Blowfish with the first 72 bytes only; bcrypt 5 raises
+            # on longer passwords instead of truncating.
+            return bcrypt.checkpw(password[:72], hashed)
+        except ValueError:  # a malformed salt
             return False
 
     def close(self) -> None:
