@@ -377,10 +377,14 @@ class HttpServer:
             log.exception("connection failed")
         finally:
             self._conns.pop(cid, None)
-            if writer is not None:
-                writer.close()
-            else:
+            if writer is None:
                 conn.close()
+            elif writer.transport.get_write_buffer_size():
+                # Evicted, timed out or cancelled with bytes unsent: asyncio's close() would hold the
+                # socket and the buffer until a client that does not read finally reads.
+                writer.transport.abort()
+            else:
+                writer.close()
 
     async def _open(self, conn: socket.socket) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
         loop = asyncio.get_running_loop()
@@ -634,6 +638,8 @@ class HttpServer:
                 except h11.LocalProtocolError:  # h11 refuses to frame it (never for our own responses)
                     log.exception("cannot send a %d response", response.status)
                     raise ConnectionError from None
+                if close:
+                    writer.transport.set_write_buffer_limits(high=0)  # drain() now waits for every byte
                 await writer.drain()
         finally:
             self._held -= size
