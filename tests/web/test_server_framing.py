@@ -21,8 +21,8 @@ import subprocess
 from collections.abc import Iterator
 
 import pytest
-
 from helpers import wait_for
+
 from exporter.web.server import HttpServer, Limits, Request, Response
 
 NODE_EXPORTER = shutil.which("prometheus-node-exporter")

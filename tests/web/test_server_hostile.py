@@ -21,22 +21,22 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from helpers import wait_for
 
-from conftest import wait_for
-from exporter.server import HttpServer, Limits, Request, Response, Route, Router
-from exporter.webconfig import WebConfigSource
+from exporter.web.server import HttpServer, Limits, Request, Response, Route, Router
+from exporter.web.webconfig import WebConfigSource
 
 NODE_EXPORTER = shutil.which("prometheus-node-exporter")
 METRICS = b"# HELP x test\n# TYPE x gauge\nx 1\n"
 
 
 @contextlib.contextmanager
-def serving(handler, limits: Limits = Limits(), web_config: Path | None = None) -> Iterator[HttpServer]:
+def serving(handler, limits: Limits | None = None, web_config: Path | None = None) -> Iterator[HttpServer]:
     source = None
     if web_config is not None:
         source = WebConfigSource(web_config, check_interval=0)
         source.load()
-    server = HttpServer(handler, "127.0.0.1", 0, limits=limits, web_config=source)
+    server = HttpServer(handler, "127.0.0.1", 0, limits=limits or Limits(), web_config=source)
     server.start()
     try:
         yield server
@@ -105,7 +105,7 @@ def test_the_exporter_marks_its_document_routes_for_offloading(tmp_path: Path) -
     from exporter.settings import Settings
 
     exporter = Exporter(Settings(scratch_roots=[tmp_path], telemetry_source="none"))
-    routes = exporter.handle.routes
+    routes = exporter.routes.routes
     assert {p for p, r in routes.items() if r.offload} == {"/api/v1/state", "/api/v1/alloc-map", "/api/v1/simulate"}
     assert not routes["/metrics"].offload
 
