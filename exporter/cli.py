@@ -149,7 +149,7 @@ def serve(settings: Settings, *, allow_missing_root: bool = False, on_ready=None
         except WebConfigError as exc:
             raise ConfigError(str(exc).replace("\n", " ")) from None
     exporter = Exporter(settings)
-    server = HttpServer(exporter.handle, host, port, web_config=web_config)
+    server = HttpServer(exporter.routes, host, port, web_config=web_config)  # routes: some run offloaded
     try:
         server.start()
     except OSError as exc:

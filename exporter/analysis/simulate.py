@@ -18,8 +18,9 @@ from typing import Any
 from exporter.analysis.headroom import SlotHeadroom
 from exporter.analysis.node import NodeState
 from exporter.analysis.placement import DeviceFree, Placement, Policy, Rejection, Request, apply_placement, place
+from exporter.units import bounded
 
-__all__ = ["SimulationResult", "format_table", "load_state", "result_document", "simulate"]
+__all__ = ["SimulationResult", "format_table", "load_state", "parse_request", "result_document", "simulate"]
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,15 @@ class SimulationResult:
         return isinstance(self.outcome, Placement)
 
 
+def parse_request(text: str) -> Request:
+    """``SLOT=AMOUNT`` with the amount bounded as the resource.txt parser bounds amounts (at most
+    10^18, at most 9 decimal places), so no placement runs on an astronomically large or fine
+    amount; raises ValueError."""
+    request = Request.parse(text)
+    bounded(request.amount, text.partition("=")[2].strip())
+    return request
+
+
 def simulate(
     state: NodeState | Mapping[str, Any], request: Request | str, policy: Policy | str = Policy.EVENLY
 ) -> SimulationResult:
@@ -49,7 +59,7 @@ def simulate(
     if not isinstance(state, NodeState):
         state = NodeState.from_json(state)
     if isinstance(request, str):
-        request = Request.parse(request)
+        request = parse_request(request)
     policy = Policy(policy)
     devices = state.slots.get(request.slot, ())
     if not devices:

@@ -4,16 +4,16 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from decimal import Decimal
 from typing import Any, Protocol
 
 from exporter import __version__
 from exporter.analysis.node import NodeState
-from exporter.analysis.simulate import result_document, simulate
+from exporter.analysis.placement import Policy
+from exporter.analysis.simulate import parse_request, result_document, simulate
 from exporter.scratch.allocation import AllocationBook, AllocationView
 from exporter.scratch.watcher import ScratchWatcher
-from exporter.web.server import Request, Response
+from exporter.web.server import Request, Response, Route, Router
 
 __all__ = ["Routes", "ServedNode", "state_document"]
 
@@ -35,8 +35,11 @@ class ServedNode(Protocol):
     def node_state(self) -> NodeState: ...
 
 
-class Routes:
+class Routes(Router):
     """Maps a request path to its handler; every handler only reads published snapshots.
+
+    ``offload=True`` marks the routes that build a document (hundreds of ms at 10,000 kernels):
+    :class:`~exporter.web.server.HttpServer` runs them on its worker pool, never on its loop.
 
     :param node: the node being served.
     :param roots: the scratch roots, as ``/api/v1/state`` names them.
@@ -45,27 +48,22 @@ class Routes:
     def __init__(self, node: ServedNode, roots: list[str]) -> None:
         self._node = node
         self._roots = roots
-        self._table: dict[str, Callable[[Request], Response]] = {
-            "/": self._landing,
-            "/metrics": self._metrics,
-            "/-/healthy": self._healthy,
-            "/-/ready": self._ready_route,
-            "/api/v1/alloc-map": self._alloc_map,
-            "/api/v1/state": self._state,
-            "/api/v1/simulate": self._simulate,
-        }
+        super().__init__({
+            "/": Route(self._landing),
+            "/metrics": Route(self._metrics),
+            "/-/healthy": Route(self._healthy),
+            "/-/ready": Route(self._ready_route),
+            "/api/v1/alloc-map": Route(self._alloc_map, offload=True),
+            "/api/v1/state": Route(self._state, offload=True),
+            "/api/v1/simulate": Route(self._simulate, offload=True),
+        })
 
     def handle(self, request: Request) -> Response:
         """The response to ``request``: 404 for unknown paths, 405 for methods other than GET and HEAD."""
-        route = self._table.get(request.path.rstrip("/") or "/")
-        if route is None:
-            return Response(404, b"not found\n")
-        if request.method not in ("GET", "HEAD"):
-            return Response(405, b"method not allowed\n", headers={"Allow": "GET, HEAD"})
-        return route(request)
+        return self(request)
 
     def _landing(self, _: Request) -> Response:
-        links = "".join(f'<li><a href="{p}">{p}</a></li>' for p in self._table if p != "/")
+        links = "".join(f'<li><a href="{p}">{p}</a></li>' for p in self.routes if p != "/")
         body = (
             f"<html><head><title>gpu-alloc-exporter</title></head><body><h1>gpu-alloc-exporter {__version__}</h1>"
             f"<p>GPU allocation of Backend.AI kernels.</p><ul>{links}</ul></body></html>"
@@ -93,13 +91,15 @@ class Routes:
         return _json(state_document(self._node.book.view(), self._roots, self._node.node_state()))
 
     def _simulate(self, request: Request) -> Response:
-        want = request.query.get("request", [""])[0]
-        policy = request.query.get("policy", ["evenly"])[0]
         try:
-            result = simulate(self._node.node_state(), want, policy)
+            want = parse_request(request.query.get("request", [""])[0])
         except ValueError as exc:
-            return Response(400, f"{exc}\n".encode())
-        return _json(result_document(result))
+            return Response(400, f"parameter request: {exc}\n".encode())
+        try:
+            policy = Policy(request.query.get("policy", ["evenly"])[0])
+        except ValueError:
+            return Response(400, f"parameter policy: expected one of {', '.join(p.value for p in Policy)}\n".encode())
+        return _json(result_document(simulate(self._node.node_state(), want, policy)))
 
 
 def state_document(view: AllocationView, roots: list[str], node: NodeState | None = None) -> dict[str, Any]:

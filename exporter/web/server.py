@@ -1,48 +1,65 @@
 """A small HTTP/1.1 server on one asyncio thread, with TLS, basic auth and hard limits.
 
-Why not ``prometheus_client.start_http_server``: its ``ThreadingHTTPServer`` spends a thread per
-connection (no bound), a client that connects and sends nothing holds its thread until the socket
-times out, and with TLS the handshake runs inside ``accept()`` so one silent client blocks every
-other one (tooling.md §5). Here every connection is a coroutine:
+HTTP/1.1 parsing and framing is h11's; this module is the connection manager around it. Why not
+``prometheus_client.start_http_server`` or aiohttp: the first spends a thread per connection (no
+bound) and runs the TLS handshake inside ``accept()`` (one silent client blocks every other one,
+tooling.md §5); neither has per-connection deadlines, a connection cap that evicts silent clients,
+or a budget for response bytes held for clients that do not read. Here:
 
-* the listening socket is accepted by the loop itself; TLS is started per connection with the
-  *current* certificate (so rotation needs no restart) and a handshake deadline;
-* the request head must arrive within ``header_timeout`` (slowloris), be at most
-  ``max_header_bytes`` (431) and carry a body of at most ``max_body_bytes`` (413);
-* an idle keep-alive connection is closed after ``idle_timeout``; a client that does not read
-  its response is dropped after ``write_timeout``;
-* at most ``max_connections`` are open; when a new one arrives at the cap, the oldest connection
-  that has not sent a request yet (silent, mid-handshake or idle) is closed to make room, so
-  silent clients cannot starve real scrapes;
-* bcrypt for basic auth runs in one worker thread (:class:`exporter.web.webconfig.Authenticator`).
-
-A silent or slow client therefore costs a file descriptor, never a thread, and never delays
-another scrape. Handlers are plain functions ``Request -> Response`` called on the loop thread;
-they only read published snapshots, so they are quick.
+* the listening socket (backlog 4096) is drained in batches by the loop itself. A new connection
+  costs one file descriptor and an epoll registration until its first byte arrives: no task, no
+  transport, no TLS state. One that sends nothing within ``first_byte_timeout`` is closed;
+* at most ``max_connections`` are open. When a new one arrives at the cap, the oldest connection
+  that has not sent a byte is closed to make room, else the oldest that is between requests
+  (idle keep-alive, or a request head still arriving), so a flood of silent connects cannot starve
+  a real scraper;
+* TLS is started per connection with the *current* certificate (rotation needs no restart) and a
+  handshake deadline;
+* a request head must arrive within ``header_timeout`` of its first byte (slowloris), be at most
+  ``max_header_bytes`` (431) and carry a body of at most ``max_body_bytes`` (413); framing is strict
+  and matches Go's net/http on the corpus in tests/web/test_server_framing.py;
+* an idle keep-alive connection is closed after ``idle_timeout``; a response must be taken by the
+  client within ``write_timeout`` or the connection is closed. Bodies go out in 64 KiB pieces, so
+  user-space buffering per connection stays at about one piece;
+* routes marked ``offload=True`` (JSON documents, what-if placement) run on a small worker pool
+  with a cap on requests in flight; over the cap they get 503 with ``Retry-After`` at once. Their
+  response bodies count against ``max_held_bytes`` until written; over it, new offloaded requests
+  get 503 too. Everything else (``/metrics`` serves bytes rendered in advance) runs on the loop
+  and is never queued behind an offloaded request;
+* bcrypt for basic auth runs in one worker thread, fairly across client addresses
+  (:class:`exporter.web.webconfig.Authenticator`); verified credentials are cached and never wait.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import itertools
 import logging
+import re
 import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from urllib.parse import parse_qs, urlsplit
 
+import h11
+
 from exporter.web.webconfig import Active, WebConfigSource, parse_basic_auth, peer_matches_sans
 
-__all__ = ["HttpServer", "Limits", "Request", "Response"]
+__all__ = ["HttpServer", "Limits", "Request", "Response", "Route", "Router"]
 
 log = logging.getLogger(__name__)
 
 _TLS_HANDSHAKE_RECORD = 0x16
+_CHUNK = 64 * 1024  # bytes read or written per step
+_ACCEPT_BATCH = 64  # connections accepted per wake-up, so reads of accepted ones interleave
+_SWEEP_INTERVAL = 0.25  # seconds between checks of silent connections' deadlines
 
 
 @dataclass(frozen=True)
@@ -70,30 +87,86 @@ Handler = Callable[[Request], Response]
 
 
 @dataclass(frozen=True)
+class Route:
+    """A handler and where it runs: on the serving loop (quick: it only reads published bytes) or,
+    with ``offload=True``, on the worker pool (it builds a document and may take long)."""
+
+    handler: Handler
+    offload: bool = False
+
+
+class Router:
+    """Path → :class:`Route`; GET and HEAD only. Calling it answers a request synchronously (tests,
+    the CLI's one-shot commands); :class:`HttpServer` resolves the route first to know where it runs.
+    A trailing slash is ignored (``/metrics/`` is ``/metrics``)."""
+
+    def __init__(self, routes: Mapping[str, Route]) -> None:
+        self.routes = routes
+
+    def resolve(self, request: Request) -> Route:
+        route = self.routes.get(request.path.rstrip("/") or "/")
+        if route is None:
+            return _NOT_FOUND
+        if request.method not in ("GET", "HEAD"):
+            return _NOT_ALLOWED
+        return route
+
+    def __call__(self, request: Request) -> Response:
+        return self.resolve(request).handler(request)
+
+
+_NOT_FOUND = Route(lambda _: Response(404, b"not found\n"))
+_NOT_ALLOWED = Route(lambda _: Response(405, b"method not allowed\n", headers={"Allow": "GET, HEAD"}))
+
+
+@dataclass(frozen=True)
 class Limits:
-    """Per-connection limits; sizes in bytes, times in seconds."""
+    """Per-connection and global limits; sizes in bytes, times in seconds."""
 
     max_header_bytes: int = 16 * 1024  # request line + headers; larger -> 431
-    max_body_bytes: int = 64 * 1024  # larger Content-Length -> 413
-    header_timeout: float = 10.0  # a request head (and its body) must arrive within this
+    max_body_bytes: int = 64 * 1024  # larger body -> 413
+    first_byte_timeout: float = 5.0  # a new connection that sends nothing for this long is closed
+    header_timeout: float = 10.0  # a request head (and its body) must arrive within this of its first byte
     idle_timeout: float = 60.0  # keep-alive connections idle longer are closed
-    write_timeout: float = 30.0  # a client must take its response within this
+    write_timeout: float = 30.0  # a client must take each response within this
     tls_handshake_timeout: float = 10.0
     max_connections: int = 256
+    backlog: int = 4096  # the kernel caps it at net.core.somaxconn
+    offload_workers: int = 1  # threads for offloaded routes (more only add GIL contention)
+    max_offloaded: int = 4  # offloaded requests running or queued; more -> 503
+    max_held_bytes: int = 32 * 1024 * 1024  # bodies of offloaded responses not yet written; over -> 503
 
 
 class _Conn:
+    """A connection that has sent its first byte and is served by a task."""
+
     __slots__ = ("task", "waiting", "since")
 
     def __init__(self) -> None:
         self.task: asyncio.Task | None = None
-        self.waiting = True  # no request in progress: silent, in the handshake, or idle keep-alive
+        self.waiting = True  # no request in progress: in the handshake, idle, or its head still arriving
         self.since = time.monotonic()
+
+
+class _Error(Exception):
+    """A request that is answered with ``status`` and then the connection closed (0: just closed)."""
+
+    def __init__(self, status: int, body: bytes = b"") -> None:
+        super().__init__(status)
+        self.status, self.body = status, body
+
+
+_BAD_REQUEST = b"bad request\n"
+_CONTENT_LENGTH_LINE = re.compile(rb"^content-length[ \t]*:[ \t]*(.*?)[ \t]*\r?$", re.I | re.M)
+_HOST = re.compile(r"[0-9A-Za-z!$%&'()*+,\-.:;=\[\]_~]*")  # Go's httpguts.ValidHostHeader
+_CTL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")  # control characters other than HTAB
 
 
 class HttpServer:
     """Serve ``handler`` on ``(host, port)``.
 
+    :param handler: a :class:`Router` (routes may be offloaded) or a plain function, which then
+        runs on the loop for every request.
     :param web_config: a loaded :class:`~exporter.web.webconfig.WebConfigSource` (TLS, basic auth,
         headers, rate limit), or None for plain HTTP without auth. Whether the server speaks TLS is
         decided at :meth:`start`; certificates, users and headers follow the file while serving.
@@ -103,13 +176,14 @@ class HttpServer:
 
     def __init__(
         self,
-        handler: Handler,
+        handler: Router | Handler,
         host: str,
         port: int,
         *,
         web_config: WebConfigSource | None = None,
         limits: Limits = Limits(),
     ) -> None:
+        self._router = handler if isinstance(handler, Router) else None
         self._handler = handler
         self._host, self._port = host, port
         self._web = web_config
@@ -119,9 +193,14 @@ class HttpServer:
         self._thread: threading.Thread | None = None
         self._sock: socket.socket | None = None
         self._conns: dict[int, _Conn] = {}
+        # Connections that have not sent a byte: cid -> (socket, accepted at), oldest first.
+        self._silent: collections.OrderedDict[int, tuple[socket.socket, float]] = collections.OrderedDict()
         self._ids = itertools.count()
         self._stopped: asyncio.Event | None = None
         self._warned_tls_off = False
+        self._pool: ThreadPoolExecutor | None = None
+        self._offloaded = 0  # offloaded requests running or queued
+        self._held = 0  # bytes of offloaded response bodies not yet written
         # Counters for tests and the exporter's own metrics.
         self.connections_total = 0
         self.connections_evicted_total = 0
@@ -138,7 +217,12 @@ class HttpServer:
 
     @property
     def open_connections(self) -> int:
-        return len(self._conns)
+        return len(self._conns) + len(self._silent)
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of offloaded response bodies produced and not yet written."""
+        return self._held
 
     def start(self) -> None:
         if self._web is not None:
@@ -147,7 +231,7 @@ class HttpServer:
         if not self._host:
             family = socket.AF_INET6 if socket.has_dualstack_ipv6() else socket.AF_INET
         self._sock = socket.create_server(
-            (self._host, self._port), family=family, backlog=128, reuse_port=False,
+            (self._host, self._port), family=family, backlog=self.limits.backlog, reuse_port=False,
             dualstack_ipv6=not self._host and family == socket.AF_INET6,
         )
         self._sock.setblocking(False)
@@ -165,6 +249,9 @@ class HttpServer:
         if self._thread is not None:
             self._thread.join()
         self._thread = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
         if self._sock is not None:
             self._sock.close()
         if self._web is not None:
@@ -181,41 +268,83 @@ class HttpServer:
             loop.close()
 
     async def _main(self, ready: threading.Event) -> None:
+        loop = asyncio.get_running_loop()
         self._stopped = asyncio.Event()
-        accept = asyncio.ensure_future(self._accept_loop())
+        assert self._sock is not None
+        loop.add_reader(self._sock.fileno(), self._accept)
+        sweeper = loop.create_task(self._sweep())
         ready.set()
         await self._stopped.wait()
-        accept.cancel()
-        # Cancel connections still open (idle keep-alives, silent clients) so the thread ends promptly.
+        loop.remove_reader(self._sock.fileno())
+        sweeper.cancel()
+        for cid in list(self._silent):
+            self._drop_silent(cid)
+        # Cancel connections still open (idle keep-alives, slow clients) so the thread ends promptly.
         tasks = [c.task for c in self._conns.values() if c.task is not None]
         for t in tasks:
             t.cancel()
-        await asyncio.gather(accept, *tasks, return_exceptions=True)
+        await asyncio.gather(sweeper, *tasks, return_exceptions=True)
 
-    async def _accept_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        assert self._sock is not None
-        while True:
+    def _accept(self) -> None:
+        """Accept what the backlog holds, up to a batch; readiness brings us back for the rest."""
+        loop = self._loop
+        assert loop is not None and self._sock is not None
+        for _ in range(_ACCEPT_BATCH):
             try:
-                conn, _ = await loop.sock_accept(self._sock)
-            except asyncio.CancelledError:
-                raise
+                conn, _ = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
             except OSError as exc:  # EMFILE and friends: back off instead of spinning
                 log.warning("accept failed: %s", exc.strerror or exc)
-                await asyncio.sleep(0.1)
-                continue
+                fd = self._sock.fileno()
+                loop.remove_reader(fd)
+                loop.call_later(0.1, loop.add_reader, fd, self._accept)
+                return
             self.connections_total += 1
-            if len(self._conns) >= self.limits.max_connections and not self._evict_one():
+            if self.open_connections >= self.limits.max_connections and not self._evict_one():
                 self._count(503)
                 _refuse(conn)
                 continue
+            conn.setblocking(False)
             cid = next(self._ids)
-            state = _Conn()
-            self._conns[cid] = state
-            state.task = loop.create_task(self._serve(cid, state, conn))
+            self._silent[cid] = (conn, time.monotonic())
+            loop.add_reader(conn.fileno(), self._first_byte, cid)
+
+    def _first_byte(self, cid: int) -> None:
+        """A silent connection became readable: from now on a task serves it."""
+        entry = self._silent.pop(cid, None)
+        if entry is None:
+            return
+        conn = entry[0]
+        assert self._loop is not None
+        self._loop.remove_reader(conn.fileno())
+        state = _Conn()
+        self._conns[cid] = state
+        state.task = self._loop.create_task(self._serve(cid, state, conn))
+
+    def _drop_silent(self, cid: int) -> None:
+        conn, _ = self._silent.pop(cid)
+        assert self._loop is not None
+        self._loop.remove_reader(conn.fileno())
+        conn.close()
+
+    async def _sweep(self) -> None:
+        """Close connections that stayed silent past ``first_byte_timeout`` (oldest first)."""
+        while True:
+            await asyncio.sleep(_SWEEP_INTERVAL)
+            cutoff = time.monotonic() - self.limits.first_byte_timeout
+            while self._silent:
+                cid, (_, since) = next(iter(self._silent.items()))
+                if since > cutoff:
+                    break
+                self._drop_silent(cid)
 
     def _evict_one(self) -> bool:
-        """Close the oldest connection that is not in the middle of a request."""
+        """Close the oldest silent connection, else the oldest one not in the middle of a request."""
+        if self._silent:
+            self._drop_silent(next(iter(self._silent)))
+            self.connections_evicted_total += 1
+            return True
         waiting = [(c.since, cid) for cid, c in self._conns.items() if c.waiting and c.task is not None]
         if not waiting:
             return False
@@ -248,19 +377,26 @@ class HttpServer:
             log.exception("connection failed")
         finally:
             self._conns.pop(cid, None)
-            if writer is not None:
-                writer.close()
-            else:
+            if writer is None:
                 conn.close()
+            elif writer.transport.get_write_buffer_size():
+                # Evicted, timed out or cancelled with bytes unsent: asyncio's close() would hold the
+                # socket and the buffer until a client that does not read finally reads.
+                writer.transport.abort()
+            else:
+                writer.close()
 
     async def _open(self, conn: socket.socket) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
         loop = asyncio.get_running_loop()
-        reader = asyncio.StreamReader(limit=self.limits.max_header_bytes, loop=loop)
+        reader = asyncio.StreamReader(limit=_CHUNK, loop=loop)
         protocol = asyncio.StreamReaderProtocol(reader, loop=loop)
         ctx = None
         if self._tls:
             deadline = self.limits.tls_handshake_timeout
-            first = await asyncio.wait_for(_peek(conn), deadline)
+            try:
+                first = conn.recv(1, socket.MSG_PEEK)  # readable: the first byte is there, or EOF
+            except (BlockingIOError, InterruptedError):
+                return None
             if not first:
                 return None
             if first[0] != _TLS_HANDSHAKE_RECORD:
@@ -290,32 +426,146 @@ class HttpServer:
                     return None
         else:
             transport, _ = await loop.connect_accepted_socket(lambda: protocol, conn)
+        # Pause writing at one piece buffered: a client that does not read holds ~64 KiB here,
+        # not its whole response.
+        transport.set_write_buffer_limits(high=_CHUNK)
         writer = asyncio.StreamWriter(transport, protocol, reader, loop)
         return reader, writer
 
     async def _requests(self, state: _Conn, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        h = h11.Connection(h11.SERVER, max_incomplete_event_size=self.limits.max_header_bytes)
         first = True
         while True:
             state.waiting, state.since = True, time.monotonic()
-            request, error = await self._read_request(reader, writer, first)
-            first = False
-            state.waiting = False
-            if error is not None:
+            try:
+                request, close = await self._read_request(h, reader, writer, first)
+            except _Error as error:
                 if error.status:
                     self._count(error.status)
-                    await self._send(writer, "GET", error, close=True)
+                    response = Response(error.status, error.body)
+                    await self._send(h, writer, "GET", response, close=True)
+                    await _linger(reader, writer)
                 return
-            assert request is not None
+            first = False
+            state.waiting = False
             response, request = await self._respond(request)
-            close = _wants_close(request)
-            await self._send(writer, request.method, response, close=close)
-            if close:
+            close = close or _wants_close(request)
+            await self._send(h, writer, request.method, response, close=close)
+            if close or h.our_state is not h11.DONE or h.their_state is not h11.DONE:
                 return
+            h.start_next_cycle()
+
+    async def _read_request(self, h: h11.Connection, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                            first: bool) -> tuple[Request, bool]:
+        """The next request, and whether the connection must close after its response.
+
+        :raises _Error: a malformed request (answered, then closed) or a silent/closed client.
+        """
+        limits = self.limits
+        loop = asyncio.get_running_loop()
+        head = bytearray()  # the raw head, for the checks h11 does not make
+        fed = 0
+        if not first and not h.trailing_data[0]:
+            # Idle keep-alive: wait for the next request's first byte, then give its head the
+            # normal header deadline (a keep-alive slowloris gets no more time than a new one).
+            data = await self._recv(reader, loop.time() + limits.idle_timeout)
+            h.receive_data(data)
+            head += data
+            fed += len(data)
+        deadline = loop.time() + limits.header_timeout
+        try:
+            while True:
+                event = h.next_event()
+                if event is h11.NEED_DATA:
+                    data = await self._recv(reader, deadline)
+                    h.receive_data(data)
+                    if len(head) <= limits.max_header_bytes:
+                        head += data
+                    fed += len(data)
+                    continue
+                break
+        except h11.RemoteProtocolError as exc:
+            status = exc.error_status_hint
+            end = head.find(b"\r\n\r\n")
+            if (len(head) if end < 0 else end + 4) > limits.max_header_bytes:
+                status = 431  # too large, whatever else is wrong with it
+            raise _Error(status, b"request header too large\n" if status == 431 else _BAD_REQUEST) from None
+        if isinstance(event, h11.ConnectionClosed):
+            raise _Error(0)
+        assert isinstance(event, h11.Request), event
+        # h11 reads a head that arrived in one piece whatever its size; the limit is ours.
+        head_size = fed - len(h.trailing_data[0])
+        if head_size > limits.max_header_bytes:
+            raise _Error(431, b"request header too large\n")
+        close = self._check(event, bytes(head[:head_size]))
+        body = await self._read_body(h, reader, deadline)
+        version = "HTTP/" + event.http_version.decode("ascii")
+        target = event.target.decode("latin-1")
+        headers: dict[str, str] = {}
+        for name, value in event.headers:
+            key = name.decode("latin-1")
+            if key in ("authorization",) and key in headers:
+                raise _Error(400, _BAD_REQUEST)  # which one would count? refuse rather than guess
+            headers[key] = value.decode("latin-1")
+        url = urlsplit(target)
+        ssl_obj = writer.get_extra_info("ssl_object")
+        peer = writer.get_extra_info("peername")
+        request = Request(
+            method=event.method.decode("latin-1").upper(), path=url.path or "/", query=parse_qs(url.query),
+            headers=headers, body=body, peer=str(peer[0]) if peer else "",
+            tls_peer_cert=ssl_obj.getpeercert() if ssl_obj else None, version=version,
+        )
+        return request, close
+
+    def _check(self, event: h11.Request, head: bytes) -> bool:
+        """What Go's net/http refuses and h11 lets through; True if the connection must close after."""
+        if not event.http_version.startswith(b"1."):
+            raise _Error(505, b"unsupported protocol version\n")
+        target = event.target
+        if not (target.startswith(b"/") or target == b"*" or b"://" in target):
+            raise _Error(400, _BAD_REQUEST)
+        close = False
+        for name, value in event.headers:
+            if _CTL.search(value):
+                raise _Error(400, _BAD_REQUEST)
+            if name == b"host" and not _HOST.fullmatch(value.decode("latin-1")):
+                raise _Error(400, _BAD_REQUEST)
+            if name == b"transfer-encoding":
+                close = True  # a body framed by chunks: answer it, but start no further request here
+        for length in _CONTENT_LENGTH_LINE.findall(head):
+            if not length.isdigit():  # h11 merges "5, 5" into 5; Go refuses it
+                raise _Error(400, _BAD_REQUEST)
+        return close
+
+    async def _read_body(self, h: h11.Connection, reader: asyncio.StreamReader, deadline: float) -> bytes:
+        body = bytearray()
+        try:
+            while True:
+                event = h.next_event()
+                if event is h11.NEED_DATA:
+                    h.receive_data(await self._recv(reader, deadline))
+                elif isinstance(event, h11.Data):
+                    body += event.data
+                    if len(body) > self.limits.max_body_bytes:
+                        raise _Error(413, b"request body too large\n")
+                elif isinstance(event, h11.EndOfMessage):
+                    return bytes(body)
+                else:  # the client closed mid-body
+                    raise _Error(0)
+        except h11.RemoteProtocolError:
+            raise _Error(400, _BAD_REQUEST) from None
+
+    async def _recv(self, reader: asyncio.StreamReader, deadline: float) -> bytes:
+        try:
+            async with asyncio.timeout_at(deadline):
+                return await reader.read(_CHUNK)
+        except TimeoutError:
+            raise _Error(0) from None  # silent: just drop the connection
 
     async def _respond(self, request: Request) -> tuple[Response, Request]:
         active: Active | None = self._web.current() if self._web else None
         if active is None:
-            return self._call(request), request
+            return await self._call(request), request
         extra = dict(active.config.headers)
         if active.error is not None:
             response = Response(500, b"Internal Server Error\n")
@@ -324,7 +574,7 @@ class HttpServer:
         elif active.config.users:
             response, request = await self._authorize(active, request)
         else:
-            response = self._call(request)
+            response = await self._call(request)
         if response.status in (401, 429, 500):
             self._count(response.status)
         response.headers.update(extra)  # also on 401/429/500, as exporter-toolkit does
@@ -334,119 +584,104 @@ class HttpServer:
         assert self._web is not None
         creds = parse_basic_auth(request.headers.get("authorization", ""))
         if creds is not None:
-            verdict = await self._web.authenticator.check(active.config.users, *creds)
+            verdict = await self._web.authenticator.check(active.config.users, *creds, peer=request.peer)
             if verdict is None:
                 return Response(429, b"Too Many Requests\n", headers={"Retry-After": "1"}), request
             if verdict:
                 request = dataclasses.replace(request, user=creds[0].decode("utf-8", "replace"))
-                return self._call(request), request
+                return await self._call(request), request
         return Response(401, b"Unauthorized\n", headers={"WWW-Authenticate": "Basic"}), request
 
-    def _call(self, request: Request) -> Response:
-        try:
-            return self._handler(request)
-        except Exception:
-            log.exception("handler failed for %s", request.path)
-            return Response(500, b"internal error\n")
-
-    async def _read_request(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, first: bool
-    ) -> tuple[Request | None, Response | None]:
+    async def _call(self, request: Request) -> Response:
+        if self._router is None:
+            return _run_handler(self._handler, request)
+        route = self._router.resolve(request)
+        if not route.offload:
+            return _run_handler(route.handler, request)
         limits = self.limits
-        prefix = b""
+        if self._offloaded >= limits.max_offloaded or self._held >= limits.max_held_bytes:
+            self._count(503)
+            return _busy()
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(limits.offload_workers, thread_name_prefix="http-worker")
+        self._offloaded += 1
         try:
-            if not first:
-                # Idle keep-alive: wait for the next request's first byte, then give its head the
-                # normal header deadline (a keep-alive slowloris gets no more time than a new one).
-                prefix = await asyncio.wait_for(reader.readexactly(1), limits.idle_timeout)
-            head = prefix + await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), limits.header_timeout)
-        except asyncio.LimitOverrunError:
-            return None, Response(431, b"request header too large\n")
-        except ValueError:  # the separator was found beyond the limit
-            return None, Response(431, b"request header too large\n")
-        except (asyncio.IncompleteReadError, TimeoutError):
-            return None, Response(0)  # closed or silent: just drop the connection
-        if len(head) > limits.max_header_bytes:
-            return None, Response(431, b"request header too large\n")
-        try:
-            lines = head.decode("latin-1").split("\r\n")
-            method, target, version = lines[0].split(" ")
-            if not version.startswith("HTTP/1.") or not method.isalpha() or not target:
-                raise ValueError(version)
-            headers: dict[str, str] = {}
-            for line in lines[1:]:
-                if not line:
-                    continue
-                name, sep, value = line.partition(":")
-                if not sep or not name or name != name.strip() or any(c in name for c in " \t"):
-                    raise ValueError(line)
-                key = name.lower()
-                if key in headers and key in ("content-length", "host", "authorization"):
-                    raise ValueError(f"duplicate {key}")  # request-smuggling and confusion guard
-                headers[key] = value.strip()
-            length = int(headers.get("content-length", "0") or 0)
-        except ValueError:
-            return None, Response(400, b"bad request\n")
-        if "transfer-encoding" in headers:
-            return None, Response(501, b"transfer-encoding not supported\n")
-        if length < 0 or length > limits.max_body_bytes:
-            return None, Response(413, b"request body too large\n")
-        body = b""
-        if length:
-            try:
-                body = await asyncio.wait_for(reader.readexactly(length), limits.header_timeout)
-            except (asyncio.IncompleteReadError, TimeoutError):
-                return None, Response(0)
-        url = urlsplit(target)
-        ssl_obj = writer.get_extra_info("ssl_object")
-        peer = writer.get_extra_info("peername")
-        return (
-            Request(
-                method=method.upper(), path=url.path or "/", query=parse_qs(url.query), headers=headers, body=body,
-                peer=str(peer[0]) if peer else "", tls_peer_cert=ssl_obj.getpeercert() if ssl_obj else None,
-                version=version,
-            ),
-            None,
-        )
+            response = await asyncio.get_running_loop().run_in_executor(self._pool, _run_handler, route.handler, request)
+        finally:
+            self._offloaded -= 1
+        if self._held + len(response.body) > limits.max_held_bytes and self._held:
+            self._count(503)
+            return _busy()
+        return _Held(response.status, response.body, response.content_type, response.headers)
 
-    async def _send(self, writer: asyncio.StreamWriter, method: str, response: Response, close: bool) -> None:
-        reason = HTTPStatus(response.status).phrase if response.status in HTTPStatus._value2member_map_ else ""
-        headers = {
-            "Content-Type": response.content_type,
-            "Content-Length": str(len(response.body)),
-            **response.headers,
-        }
-        if close:
-            headers["Connection"] = "close"
-        head = f"HTTP/1.1 {response.status} {reason}\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers.items()) + "\r\n"
-        if method != "HEAD" and response.body:
-            writer.writelines((head.encode("latin-1"), response.body))
-        else:
-            writer.write(head.encode("latin-1"))
-        await asyncio.wait_for(writer.drain(), self.limits.write_timeout)
+    async def _send(self, h: h11.Connection, writer: asyncio.StreamWriter, method: str, response: Response,
+                    close: bool) -> None:
+        body = response.body
+        size = len(body) if isinstance(response, _Held) else 0
+        self._held += size
+        try:
+            async with asyncio.timeout(self.limits.write_timeout):
+                reason = HTTPStatus(response.status).phrase if response.status in HTTPStatus._value2member_map_ else ""
+                headers = [("Content-Type", response.content_type), ("Content-Length", str(len(body))),
+                           *response.headers.items()]
+                if close:
+                    headers.append(("Connection", "close"))
+                try:
+                    writer.write(h.send(h11.Response(status_code=response.status, headers=headers, reason=reason)))
+                    if method != "HEAD":
+                        view = memoryview(body)
+                        for offset in range(0, len(body), _CHUNK):
+                            for piece in h.send_with_data_passthrough(h11.Data(data=view[offset:offset + _CHUNK])):
+                                writer.write(piece)
+                            await writer.drain()
+                    writer.write(h.send(h11.EndOfMessage()))
+                except h11.LocalProtocolError:  # h11 refuses to frame it (never for our own responses)
+                    log.exception("cannot send a %d response", response.status)
+                    raise ConnectionError from None
+                if close:
+                    writer.transport.set_write_buffer_limits(high=0)  # drain() now waits for every byte
+                await writer.drain()
+        finally:
+            self._held -= size
+
+
+class _Held(Response):
+    """An offloaded route's response: its body counts against ``max_held_bytes`` until written."""
+
+
+async def _linger(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """After an error answer: send FIN, then read and discard what the client is still sending for a
+    moment, so that closing does not reset the connection before the client read the answer (Go's
+    net/http waits 500 ms the same way)."""
+    if not writer.can_write_eof():
+        return
+    writer.write_eof()
+    try:
+        async with asyncio.timeout(0.5):
+            for _ in range(64):  # at most 4 MiB
+                if not await reader.read(_CHUNK):
+                    return
+    except (TimeoutError, ConnectionError, OSError):
+        pass
+
+
+def _run_handler(handler: Handler, request: Request) -> Response:
+    try:
+        return handler(request)
+    except Exception:
+        log.exception("handler failed for %s", request.path)
+        return Response(500, b"internal error\n")
+
+
+def _busy() -> Response:
+    return Response(503, b"busy: too many document requests in progress, retry later\n", headers={"Retry-After": "1"})
 
 
 def _wants_close(request: Request) -> bool:
     connection = request.headers.get("connection", "").lower()
     if request.version == "HTTP/1.0":
-        return "keep-alive" not in connection
+        return True  # h11 keeps no HTTP/1.0 connection alive
     return "close" in connection
-
-
-async def _peek(conn: socket.socket) -> bytes:
-    """The first byte the client sends, without consuming it (b"" if it closed)."""
-    loop = asyncio.get_running_loop()
-    fut = loop.create_future()
-    fd = conn.fileno()
-    loop.add_reader(fd, lambda: fut.done() or fut.set_result(None))
-    try:
-        await fut
-    finally:
-        loop.remove_reader(fd)
-    try:
-        return conn.recv(1, socket.MSG_PEEK)
-    except (BlockingIOError, InterruptedError):
-        return await _peek(conn)
 
 
 def _send_nowait(conn: socket.socket, data: bytes) -> None:
@@ -465,5 +700,6 @@ def _send_nowait(conn: socket.socket, data: bytes) -> None:
 
 
 def _refuse(conn: socket.socket) -> None:
+    conn.setblocking(False)
     _send_nowait(conn, b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 21\r\nConnection: close\r\n\r\ntoo many connections\n")
     conn.close()

@@ -56,7 +56,7 @@ import ssl
 import threading
 import time
 import warnings
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -64,6 +64,7 @@ from types import MappingProxyType
 from typing import Any
 
 import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 __all__ = [
     "ALLOWED_HEADERS",
@@ -128,18 +129,6 @@ _CURVES = {"CurveP256": "prime256v1", "CurveP384": "secp384r1", "CurveP521": "se
 _BCRYPT_HASH = re.compile(r"^\$2[aby]\$(\d\d)\$[./A-Za-z0-9]{53}$")
 # bcrypt("fakepassword", cost 10): unknown users are checked against it so they cost the same time.
 FAKE_HASH = b"$2y$10$QOauhQNbBCuQDKes6eFzPeMqBSjb7Mr5DUmpZ/VcEd00UAV/LDeSi"
-
-_KEYS: dict[str, Any] = {
-    "tls_server_config": {
-        "cert_file", "key_file", "cert", "key", "client_auth_type", "client_ca_file", "client_ca",
-        "cipher_suites", "curve_preferences", "min_version", "max_version", "prefer_server_cipher_suites",
-        "client_allowed_sans",
-    },
-    "http_server_config": {"http2", "headers"},
-    "basic_auth_users": None,  # any user name
-    "rate_limit": {"interval", "burst"},
-}
-
 
 class WebConfigError(Exception):
     """An unusable web config; ``str()`` is one line naming the file and the key."""
@@ -237,64 +226,105 @@ def parse_web_config(text: str, path: str | None = None) -> WebConfig:
     except WebConfigError as exc:
         raise WebConfigError(f"{where}: {exc}") from None
     except yaml.YAMLError as exc:
-        raise WebConfigError(f"{where}: not valid YAML: {' '.join(str(exc).split())}") from None
+        # Position and problem only: PyYAML's full message quotes the offending line.
+        mark = getattr(exc, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or "malformed"
+        raise WebConfigError(f"{where}: not valid YAML{at}: {problem}") from None
     try:
         return _build(doc, path)
     except WebConfigError as exc:
         raise WebConfigError(f"{where}: {exc}") from None
 
 
+# -- the schema: key names, nesting and types (pydantic); the rules between keys are below ---------
+
+
+class _Strict(BaseModel):
+    # Like Go's yaml.UnmarshalStrict into exporter-toolkit's structs: unknown keys and values of the
+    # wrong type are errors (no "3" for a bool, no 1.3 for a string).
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class _TLSModel(_Strict):
+    cert_file: str | None = None
+    key_file: str | None = None
+    cert: str | None = None
+    key: str | None = None
+    client_auth_type: str | None = None
+    client_ca_file: str | None = None
+    client_ca: str | None = None
+    cipher_suites: list[str] | None = None
+    curve_preferences: list[str] | None = None
+    min_version: str | None = None
+    max_version: str | None = None
+    prefer_server_cipher_suites: bool = True
+    client_allowed_sans: list[str] | None = None
+
+
+class _HTTPModel(_Strict):
+    http2: bool = True
+    headers: dict[str, str] | None = None
+
+
+class _RateLimitModel(_Strict):
+    interval: int | str = 0  # a Go duration string, or an integer of nanoseconds
+    burst: int = Field(0, ge=0)
+
+
+class _WebConfigModel(_Strict):
+    tls_server_config: _TLSModel | None = None
+    http_server_config: _HTTPModel | None = None
+    basic_auth_users: dict[str, str] | None = None
+    rate_limit: _RateLimitModel | None = None
+
+
+# What a wrong type is called in an error (pydantic's error types; never the value, never a class).
+_EXPECTED = {
+    "model_type": "expected a mapping", "model_attributes_type": "expected a mapping", "dict_type": "expected a mapping",
+    "string_type": "expected a string", "bool_type": "expected true or false", "list_type": "expected a list of strings",
+    "int_type": "expected an integer", "greater_than_equal": "expected a non-negative integer",
+}
+
+
+def _schema_error(error: Any) -> WebConfigError:
+    """One pydantic error as one line: the dotted key and the reason."""
+    loc = [str(p) for p in error["loc"] if p != "[key]"]
+    if error["loc"] and error["loc"][-1] == "[key]":
+        return WebConfigError(f"{'.'.join(loc[:-1]) or 'top level'}: a key is not a string (quote it)")
+    # A union (int | str) reports each member; the type names are pydantic's, so name the field only.
+    loc = [p for p in loc if p not in ("int", "str")]
+    key = ".".join(loc)
+    kind = error["type"]
+    if kind == "extra_forbidden":
+        model: type[BaseModel] = _WebConfigModel
+        for part in loc[:-1]:
+            model = _NESTED[part]
+        return WebConfigError(f"unknown key '{key}' (allowed: {', '.join(model.model_fields)})")
+    if key == "basic_auth_users" or key.startswith("basic_auth_users."):
+        if kind == "string_type" and len(loc) == 2:
+            return WebConfigError(f"{key}: expected a bcrypt hash string")
+    if key == "rate_limit.interval":
+        return WebConfigError(f"{key}: expected a duration such as 1s")
+    return WebConfigError(f"{key or 'top level'}: {_EXPECTED.get(kind, 'not valid here')}")
+
+
+_NESTED: dict[str, type[BaseModel]] = {
+    "tls_server_config": _TLSModel, "http_server_config": _HTTPModel, "rate_limit": _RateLimitModel,
+}
+
+
 def _build(doc: Any, path: str | None) -> WebConfig:
-    if doc is None:
-        doc = {}
-    _mapping(doc, "top level")
-    for key, value in doc.items():
-        if key not in _KEYS:
-            raise WebConfigError(f"unknown key {key!r} (allowed: {', '.join(_KEYS)})")
-        allowed = _KEYS[key]
-        if allowed is not None and value is not None:
-            _mapping(value, key)
-            for sub in value:
-                if sub not in allowed:
-                    raise WebConfigError(f"unknown key '{key}.{sub}' (allowed: {', '.join(sorted(allowed))})")
+    try:
+        model = _WebConfigModel.model_validate({} if doc is None else doc)
+    except ValidationError as exc:
+        raise _schema_error(exc.errors(include_input=False, include_url=False)[0]) from None
     base = os.path.dirname(path) if path else os.getcwd()
-    tls = _tls(doc.get("tls_server_config") or {}, base)
-    http = doc.get("http_server_config") or {}
-    http2 = _bool(http.get("http2", True), "http_server_config.http2")
-    headers = _headers(http.get("headers"))
-    users = _users(doc.get("basic_auth_users"))
-    rate = _rate_limit(doc.get("rate_limit") or {})
-    return WebConfig(path, tls, headers, MappingProxyType(users), http2, rate)
-
-
-def _mapping(value: Any, where: str) -> None:
-    if not isinstance(value, dict):
-        raise WebConfigError(f"{where}: expected a mapping, got {type(value).__name__}")
-    for key in value:
-        if not isinstance(key, str):
-            raise WebConfigError(f"{where}: key {key!r} is not a string (quote it)")
-
-
-def _str(value: Any, where: str) -> str:
-    if value is None:
-        return ""
-    if not isinstance(value, str):
-        raise WebConfigError(f"{where}: expected a string, got {type(value).__name__}")
-    return value
-
-
-def _bool(value: Any, where: str) -> bool:
-    if not isinstance(value, bool):
-        raise WebConfigError(f"{where}: expected true or false, got {value!r}")
-    return value
-
-
-def _str_list(value: Any, where: str) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise WebConfigError(f"{where}: expected a list of strings")
-    return tuple(value)
+    tls = _tls(model.tls_server_config or _TLSModel(), base)
+    http = model.http_server_config or _HTTPModel()
+    users = _users(model.basic_auth_users or {})
+    rate = _rate_limit(model.rate_limit or _RateLimitModel())
+    return WebConfig(path, tls, _headers(http.headers or {}), MappingProxyType(users), http.http2, rate)
 
 
 def _join(base: str, p: str) -> str:
@@ -302,35 +332,33 @@ def _join(base: str, p: str) -> str:
     return p if not p or os.path.isabs(p) else os.path.join(base, p)
 
 
-def _tls(raw: dict, base: str) -> TLSSettings:
+def _tls(raw: _TLSModel, base: str) -> TLSSettings:
     w = "tls_server_config"
-    s = {k: _str(raw.get(k), f"{w}.{k}") for k in
+    s = {k: getattr(raw, k) or "" for k in
          ("cert_file", "key_file", "cert", "key", "client_auth_type", "client_ca_file", "client_ca")}
     for k in ("cert_file", "key_file", "client_ca_file"):
         s[k] = _join(base, s[k])
     for a, b in (("cert", "cert_file"), ("key", "key_file"), ("client_ca", "client_ca_file")):
         if s[a] and s[b]:
             raise WebConfigError(f"{w}: at most one of {a} and {b} must be configured")
-    ciphers = _str_list(raw.get("cipher_suites"), f"{w}.cipher_suites")
-    for name in ciphers:
+    ciphers = tuple(raw.cipher_suites or ())
+    for i, name in enumerate(ciphers):
         if name not in _CIPHERS_TLS12 and name not in _CIPHERS_TLS13:
-            raise WebConfigError(f"{w}.cipher_suites: unknown cipher: {name}")
-    curves = _str_list(raw.get("curve_preferences"), f"{w}.curve_preferences")
-    for name in curves:
+            raise WebConfigError(f"{w}.cipher_suites[{i}]: unknown cipher (Go's tls.CipherSuites() names)")
+    curves = tuple(raw.curve_preferences or ())
+    for i, name in enumerate(curves):
         if name not in _CURVES:
-            raise WebConfigError(f"{w}.curve_preferences: unknown curve: {name}")
+            raise WebConfigError(f"{w}.curve_preferences[{i}]: unknown curve (allowed: {', '.join(_CURVES)})")
     versions = {}
     for k, default in (("min_version", "TLS12"), ("max_version", "TLS13")):
-        v = raw.get(k, default)
-        v = default if v is None else v
+        v = getattr(raw, k) or default
         if v not in _TLS_VERSIONS:
-            raise WebConfigError(f"{w}.{k}: unknown TLS version: {v}")
+            raise WebConfigError(f"{w}.{k}: unknown TLS version (allowed: {', '.join(_TLS_VERSIONS)})")
         versions[k] = v
-    prefer = _bool(raw.get("prefer_server_cipher_suites", True), f"{w}.prefer_server_cipher_suites")
-    sans = raw.get("client_allowed_sans")
-    sans_t = None if sans is None else _str_list(sans, f"{w}.client_allowed_sans")
-    tls = TLSSettings(**s, cipher_suites=ciphers, curve_preferences=curves, prefer_server_cipher_suites=prefer,
-                      client_allowed_sans=sans_t, **versions)
+    sans = raw.client_allowed_sans
+    tls = TLSSettings(**s, cipher_suites=ciphers, curve_preferences=curves,
+                      prefer_server_cipher_suites=raw.prefer_server_cipher_suites,
+                      client_allowed_sans=None if sans is None else tuple(sans), **versions)
     if not tls.enabled:
         return tls
     if not (tls.cert_file or tls.cert):
@@ -338,7 +366,7 @@ def _tls(raw: dict, base: str) -> TLSSettings:
     if not (tls.key_file or tls.key):
         raise WebConfigError(f"{w}: missing one of key or key_file")
     if tls.client_auth_type not in _CLIENT_AUTH_TYPES:
-        raise WebConfigError(f"{w}: invalid ClientAuth: {tls.client_auth_type}")
+        raise WebConfigError(f"{w}.client_auth_type: invalid ClientAuth (allowed: {', '.join(_CLIENT_AUTH_TYPES[1:])})")
     no_auth = tls.client_auth_type in ("", "NoClientCert")
     if (tls.client_ca_file or tls.client_ca) and no_auth:
         raise WebConfigError(f"{w}: client CA's have been configured without a Client Auth Policy")
@@ -355,40 +383,31 @@ def _tls(raw: dict, base: str) -> TLSSettings:
     return tls
 
 
-def _headers(raw: Any) -> tuple[tuple[str, str], ...]:
+def _headers(raw: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
     w = "http_server_config.headers"
-    if raw is None:
-        return ()
-    _mapping(raw, w)
     out = []
     for name, value in raw.items():
         if name not in ALLOWED_HEADERS:
             raise WebConfigError(f'{w}: HTTP header "{name}" can not be configured')
-        value = _str(value, f"{w}.{name}")
         allowed = ALLOWED_HEADERS[name]
         if allowed is not None and value not in allowed:
             shown = "[" + " ".join(f'"{a}"' for a in allowed) + "]"
-            raise WebConfigError(f'{w}: invalid value for {name}. Expected one of: {shown}, but got: "{value}"')
+            raise WebConfigError(f"{w}: invalid value for {name}. Expected one of: {shown}")
         if any(ord(c) < 0x20 and c != "\t" or ord(c) == 0x7F for c in value) or not value.isascii():
             raise WebConfigError(f"{w}.{name}: value contains control or non-ASCII characters")
         out.append((name, value))
     return tuple(out)
 
 
-def _users(raw: Any) -> dict[bytes, bytes]:
+def _users(raw: Mapping[str, str]) -> dict[bytes, bytes]:
     w = "basic_auth_users"
-    if raw is None:
-        return {}
-    _mapping(raw, w)
     out = {}
     for user, hashed in raw.items():
-        if not isinstance(hashed, str):
-            raise WebConfigError(f"{w}.{user}: expected a bcrypt hash string")
         m = _BCRYPT_HASH.match(hashed)
         if not m:
             raise WebConfigError(f"{w}.{user}: not a bcrypt hash ($2a$, $2b$ or $2y$, cost, 53 characters of salt and hash)")
         if not 4 <= int(m.group(1)) <= 31:
-            raise WebConfigError(f"{w}.{user}: bcrypt cost {int(m.group(1))} is outside 4..31")
+            raise WebConfigError(f"{w}.{user}: the bcrypt cost is outside 4..31")
         out[user.encode()] = hashed.encode()
     return out
 
@@ -413,22 +432,16 @@ def parse_go_duration(text: str) -> float:
     return total
 
 
-def _rate_limit(raw: dict) -> tuple[float, int] | None:
+def _rate_limit(raw: _RateLimitModel) -> tuple[float, int] | None:
     w = "rate_limit"
-    interval = raw.get("interval", 0)
-    burst = raw.get("burst", 0)
-    if not isinstance(burst, int) or isinstance(burst, bool) or burst < 0:
-        raise WebConfigError(f"{w}.burst: expected a non-negative integer")
-    if isinstance(interval, int) and not isinstance(interval, bool):
-        seconds = interval * 1e-9  # a bare YAML integer is nanoseconds for a Go time.Duration
-    elif isinstance(interval, str):
-        try:
-            seconds = parse_go_duration(interval)
-        except ValueError as exc:
-            raise WebConfigError(f"{w}.interval: {exc}") from None
+    if isinstance(raw.interval, int):
+        seconds = raw.interval * 1e-9  # a bare YAML integer is nanoseconds for a Go time.Duration
     else:
-        raise WebConfigError(f"{w}.interval: expected a duration such as 1s")
-    return (seconds, burst) if seconds > 0 else None
+        try:
+            seconds = parse_go_duration(raw.interval)
+        except ValueError:
+            raise WebConfigError(f"{w}.interval: invalid duration (a Go duration such as 250ms or 1m30s)") from None
+    return (seconds, raw.burst) if seconds > 0 else None
 
 
 # -- TLS ---------------------------------------------------------------------------------------------
@@ -556,19 +569,36 @@ def parse_basic_auth(header: str) -> tuple[bytes, bytes] | None:
 
 
 class Authenticator:
-    """bcrypt checks with a cache, in one worker thread, never on the event loop.
+    """bcrypt checks with a cache, in one worker thread, never on the event loop, fair across clients.
 
-    :param max_pending: bcrypt checks allowed to wait at once; beyond that :meth:`check` answers
-        None (the server then says 429), so a password-guessing flood cannot queue unbounded work.
-    :param cache_size: remembered (user, hash, password) results (LRU).
+    Verified credentials are cached (keyed digests, LRU) and answered at once, so a scraper that got
+    in once never waits on bcrypt again. Uncached checks queue per client address and the worker
+    takes them round-robin across addresses: a flood of guesses from one address delays a first
+    login from another by at most one bcrypt run per busy address, instead of a whole queue.
+
+    Only failures are limited, per address: at most ``max_pending_per_peer`` uncached checks wait at
+    once, and an address that failed ``failure_burst`` times gets no further uncached check until its
+    budget refills (one attempt per ``failure_interval`` seconds). Beyond either, :meth:`check`
+    answers None (the server says 429). A client sharing its address with a guesser shares its
+    budget; one from another address is never refused.
+
+    Passwords are compared as Go's ``bcrypt.CompareHashAndPassword`` does (exporter-toolkit): only
+    the first 72 bytes count, so a hash made by a tool that truncated a longer password matches.
     """
 
-    def __init__(self, max_pending: int = 32, cache_size: int = 1024) -> None:
-        self.max_pending = max_pending
+    def __init__(self, max_pending_per_peer: int = 8, cache_size: int = 1024, failure_burst: int = 10,
+                 failure_interval: float = 1.0, max_peers: int = 4096,
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
+        self.max_pending_per_peer = max_pending_per_peer
         self.cache_size = cache_size
+        self.failure_burst, self.failure_interval, self.max_peers = failure_burst, failure_interval, max_peers
+        self._monotonic = monotonic
         self._cache: OrderedDict[bytes, bool] = OrderedDict()
         self._key = secrets.token_bytes(32)  # the cache holds keyed digests, never passwords
-        self._pending = 0
+        self._lanes: OrderedDict[str, deque[tuple[bytes, bytes, asyncio.Future]]] = OrderedDict()
+        self._failures: OrderedDict[str, tuple[float, float]] = OrderedDict()  # peer -> (tokens, at)
+        self._pending = 0  # checks queued or running
+        self._running = False
         self._executor: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self.bcrypt_runs = 0
@@ -587,36 +617,82 @@ class Authenticator:
                 self._cache.move_to_end(key)
         return None if verdict is None else (verdict and known)
 
-    async def check(self, users: Mapping[bytes, bytes], user: bytes, password: bytes) -> bool | None:
-        """Verify a login; None means too many checks are already waiting."""
+    def _failure_tokens(self, peer: str) -> float:
+        tokens, at = self._failures.get(peer, (float(self.failure_burst), 0.0))
+        return min(float(self.failure_burst), tokens + (self._monotonic() - at) / self.failure_interval)
+
+    def _failed(self, peer: str) -> None:
+        self._failures[peer] = (self._failure_tokens(peer) - 1.0, self._monotonic())
+        self._failures.move_to_end(peer)
+        while len(self._failures) > self.max_peers:
+            self._failures.popitem(last=False)
+
+    async def check(self, users: Mapping[bytes, bytes], user: bytes, password: bytes, peer: str = "") -> bool | None:
+        """Verify a login from address ``peer``; None means refused for now (too many pending or
+        failed checks from that address)."""
         verdict = self.cached(users, user, password)
         if verdict is not None:
+            if not verdict:
+                self._failed(peer)
             return verdict
-        if self._pending >= self.max_pending:
+        lane = self._lanes.get(peer)
+        if (lane is not None and len(lane) >= self.max_pending_per_peer) or self._failure_tokens(peer) < 1.0:
             return None
         known = user in users
         hashed = users.get(user, FAKE_HASH)
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bcrypt")
+        future = asyncio.get_running_loop().create_future()
+        if lane is None:
+            lane = self._lanes[peer] = deque()
+        lane.append((hashed, password, future))
         self._pending += 1
-        try:
-            ok = await asyncio.get_running_loop().run_in_executor(self._executor, self._bcrypt, hashed, password)
-        finally:
-            self._pending -= 1
+        self._next()
+        ok = await future
         key = self._cache_key(user, hashed, password)
         with self._lock:
             self._cache[key] = ok
             if len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
+        if not (ok and known):
+            self._failed(peer)
         return ok and known
+
+    def _next(self) -> None:
+        """Start the next check: the first waiting address's oldest, then that address goes last."""
+        while not self._running and self._lanes:
+            peer, lane = next(iter(self._lanes.items()))
+            hashed, password, future = lane.popleft()
+            if lane:
+                self._lanes.move_to_end(peer)
+            else:
+                del self._lanes[peer]
+            if future.done():  # its connection went away while it waited
+                self._pending -= 1
+                continue
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bcrypt")
+            self._running = True
+            job = asyncio.get_running_loop().run_in_executor(self._executor, self._bcrypt, hashed, password)
+            job.add_done_callback(lambda job, future=future: self._done(job, future))
+
+    def _done(self, job: asyncio.Future, future: asyncio.Future) -> None:
+        self._running = False
+        self._pending -= 1
+        if not future.done():
+            if job.cancelled() or job.exception() is not None:
+                future.set_result(False)
+            else:
+                future.set_result(job.result())
+        self._next()
 
     def _bcrypt(self, hashed: bytes, password: bytes) -> bool:
         import bcrypt
 
         self.bcrypt_runs += 1
         try:
-            return bcrypt.checkpw(password, hashed)
-        except ValueError:  # over 72 bytes (bcrypt 5 refuses rather than truncating), bad salt
+            # Go's CompareHashAndPassword keys Blowfish with the first 72 bytes only; bcrypt 5 raises
+            # on longer passwords instead of truncating.
+            return bcrypt.checkpw(password[:72], hashed)
+        except ValueError:  # a malformed salt
             return False
 
     def close(self) -> None:

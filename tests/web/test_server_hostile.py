@@ -1,0 +1,303 @@
+"""The HTTP server under hostile load, over real loopback sockets.
+
+Each test shows one finding fixed by structure, not by timing thresholds: events and counters say
+*that* a scrape was answered while a slow route was still running, *how many* bcrypt runs a login
+waited for, *how many* bytes were held for clients that do not read. The timings themselves (and
+the comparison with node_exporter) are in bench/hostile.py.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import http.client
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from helpers import wait_for
+
+from exporter.web.server import HttpServer, Limits, Request, Response, Route, Router
+from exporter.web.webconfig import WebConfigSource
+
+NODE_EXPORTER = shutil.which("prometheus-node-exporter")
+METRICS = b"# HELP x test\n# TYPE x gauge\nx 1\n"
+
+
+@contextlib.contextmanager
+def serving(handler, limits: Limits | None = None, web_config: Path | None = None) -> Iterator[HttpServer]:
+    source = None
+    if web_config is not None:
+        source = WebConfigSource(web_config, check_interval=0)
+        source.load()
+    server = HttpServer(handler, "127.0.0.1", 0, limits=limits or Limits(), web_config=source)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+def get(port: int, path: str = "/metrics", *, auth: tuple[str, str] | None = None, source: str = "127.0.0.1",
+        timeout: float = 20) -> tuple[int, dict[str, str], bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout, source_address=(source, 0))
+    headers = {}
+    if auth:
+        headers["Authorization"] = "Basic " + base64.b64encode(f"{auth[0]}:{auth[1]}".encode()).decode()
+    try:
+        conn.request("GET", path, headers=headers)
+        r = conn.getresponse()
+        return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
+    finally:
+        conn.close()
+
+
+class SlowDocument:
+    """An offloaded route that runs until the test lets it finish."""
+
+    def __init__(self) -> None:
+        self.started = threading.Event()
+        self.release = threading.Event()
+        self.running = 0
+
+    def __call__(self, _: Request) -> Response:
+        self.running += 1
+        self.started.set()
+        try:
+            assert self.release.wait(30)
+            return Response(200, b"{}\n", "application/json")
+        finally:
+            self.running -= 1
+
+
+# -- one slow request must not freeze the process --------------------------------------------------
+
+
+def test_metrics_is_answered_while_an_offloaded_route_runs() -> None:
+    slow = SlowDocument()
+    router = Router({"/metrics": Route(lambda _: Response(200, METRICS)), "/slow": Route(slow, offload=True)})
+    with serving(router, Limits(max_offloaded=2)) as server, ThreadPoolExecutor(4) as pool:
+        first = pool.submit(get, server.port, "/slow")
+        assert slow.started.wait(10)
+        # The slow route holds its worker; /metrics and the health of the loop do not wait for it.
+        for _ in range(20):
+            assert get(server.port)[0] == 200
+        assert slow.running == 1 and not first.done()
+        # One more may queue behind it (cap 2); beyond that a quick 503 with Retry-After, never a stall.
+        second = pool.submit(get, server.port, "/slow")
+        wait_for(lambda: server._offloaded == 2)
+        status, headers, _ = get(server.port, "/slow")
+        assert status == 503 and headers["retry-after"] == "1"
+        assert slow.running == 1 and not first.done() and not second.done()
+        slow.release.set()
+        assert first.result()[0] == second.result()[0] == 200
+    assert server.rejected_total[503] == 1
+
+
+def test_the_exporter_marks_its_document_routes_for_offloading(tmp_path: Path) -> None:
+    from exporter.app import Exporter
+    from exporter.settings import Settings
+
+    exporter = Exporter(Settings(scratch_roots=[tmp_path], telemetry_source="none"))
+    routes = exporter.routes.routes
+    assert {p for p, r in routes.items() if r.offload} == {"/api/v1/state", "/api/v1/alloc-map", "/api/v1/simulate"}
+    assert not routes["/metrics"].offload
+
+
+@pytest.mark.parametrize(("query", "parameter"), [
+    ("request=cuda.shares=1e999999&policy=evenly-nofrag", "request"),
+    ("request=cuda.shares=0.0000000001", "request"),
+    ("request=cuda.shares=-1", "request"),
+    ("request=cuda.shares", "request"),
+    ("request=cuda.shares=1&policy=nearest", "policy"),
+])
+def test_simulate_amounts_are_bounded_like_the_parser(query: str, parameter: str, tmp_path: Path) -> None:
+    from urllib.parse import parse_qs
+
+    from exporter.app import Exporter
+    from exporter.settings import Settings
+
+    exporter = Exporter(Settings(scratch_roots=[tmp_path], telemetry_source="none"))
+    started = time.process_time()
+    response = exporter.handle(Request("GET", "/api/v1/simulate", parse_qs(query), {}))
+    assert time.process_time() - started < 5  # was 26 s of CPU for 1e999999 (a generous bound, not a benchmark)
+    assert response.status == 400
+    text = response.body.decode()
+    assert text.startswith(f"parameter {parameter}: ") and text.count("\n") == 1 and "Policy" not in text, text
+
+
+# -- clients that never read -------------------------------------------------------------------------
+
+
+def test_bytes_held_for_clients_that_do_not_read_are_capped() -> None:
+    """Twelve clients ask for a 4 MiB document and never read. At most the budget (8 MiB) plus one
+    document is held for them; the others get 503 at once; when the write deadline passes the
+    slow readers are dropped and nothing stays held."""
+    body = b"x" * (4 << 20)
+    built = []
+
+    def big(_: Request) -> Response:
+        built.append(1)
+        return Response(200, body)
+
+    router = Router({"/metrics": Route(lambda _: Response(200, METRICS)), "/big": Route(big, offload=True)})
+    limits = Limits(max_held_bytes=8 << 20, max_offloaded=16, write_timeout=2.0, idle_timeout=2.0)
+    with serving(router, limits) as server:
+        clients = []
+        peak = 0
+        for i in range(12):
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: a small window, never read
+            s.connect(("127.0.0.1", server.port))
+            s.sendall(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n")
+            clients.append(s)
+            wait_for(lambda i=i: len(built) + server.rejected_total.get(503, 0) == i + 1 and server._offloaded == 0)
+            peak = max(peak, server.held_bytes)
+        assert peak <= limits.max_held_bytes + len(body)
+        assert get(server.port)[0] == 200  # scrapes go on
+        assert server.rejected_total.get(503, 0) >= 12 - (limits.max_held_bytes // len(body) + 1)
+        wait_for(lambda: server.held_bytes == 0 and server.open_connections == 0, timeout=20)
+        for s in clients:
+            s.close()
+
+
+# -- a connection flood -------------------------------------------------------------------------------
+
+
+def test_a_flood_of_silent_connections_does_not_starve_a_scraper() -> None:
+    """400 silent connects through a 20-connection cap: the silent ones are evicted oldest first,
+    nobody is refused, and a keep-alive scraper and fresh connections are answered throughout."""
+    with serving(lambda _: Response(200, METRICS), Limits(max_connections=20)) as server:
+        scraper = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+        silent = []
+        try:
+            for i in range(400):
+                silent.append(socket.create_connection(("127.0.0.1", server.port)))
+                if i % 20 == 0:
+                    scraper.request("GET", "/metrics")
+                    assert scraper.getresponse().read() == METRICS
+                    assert get(server.port)[0] == 200
+            wait_for(lambda: server.connections_total >= 400 + 20 + 1)  # silent, fresh scrapes, the scraper
+            assert server.open_connections <= 20
+            assert server.connections_evicted_total >= 400 - 20 and 503 not in server.rejected_total
+        finally:
+            scraper.close()
+            for s in silent:
+                s.close()
+
+
+def test_a_connection_that_sends_nothing_is_closed_after_the_first_byte_deadline() -> None:
+    with serving(lambda _: Response(200, METRICS), Limits(first_byte_timeout=0.3)) as server:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+            wait_for(lambda: server.open_connections == 1)
+            assert s.recv(1) == b""  # closed by the server, well before the 10 s client timeout
+        assert server.open_connections == 0
+
+
+def test_the_listen_backlog_is_generous() -> None:
+    with serving(lambda _: Response(200, METRICS)) as server:
+        out = subprocess.run(["ss", "-Hltn", f"sport = :{server.port}"], capture_output=True, text=True)
+        if out.returncode != 0 or not out.stdout.strip():
+            pytest.skip("ss is not available")
+        backlog = int(out.stdout.split()[2])  # Send-Q of a listening socket is its backlog
+        somaxconn = int(Path("/proc/sys/net/core/somaxconn").read_text())
+        assert backlog == min(4096, somaxconn) and backlog >= 128
+
+
+# -- a password flood -------------------------------------------------------------------------------
+
+
+def _config(tmp_path: Path, password: bytes, cost: int = 10) -> Path:
+    import bcrypt
+
+    config = tmp_path / "web.yml"
+    config.write_text(f"basic_auth_users:\n  prometheus: {bcrypt.hashpw(password, bcrypt.gensalt(cost)).decode()}\n")
+    return config
+
+
+def test_a_password_flood_from_another_address_never_locks_out_the_scraper(tmp_path: Path) -> None:
+    """Right after a start (nothing cached), eight connections from 127.0.0.2 keep the bcrypt queue
+    full of wrong guesses. The scraper's first login from 127.0.0.1 waits for at most the check in
+    progress and its own (round-robin across addresses), not for the guesser's queue; once
+    verified it is answered from the cache."""
+    config = _config(tmp_path, b"s3cret")
+    stop = threading.Event()
+    with serving(lambda r: Response(200, METRICS), web_config=config) as server:
+        auth = server._web.authenticator
+        codes: list[int] = []
+
+        def guesser(n: int) -> None:
+            i = 0
+            while not stop.is_set():
+                codes.append(get(server.port, auth=("prometheus", f"guess-{n}-{i}"), source="127.0.0.2")[0])
+                i += 1
+
+        with ThreadPoolExecutor(8) as pool:
+            for n in range(8):
+                pool.submit(guesser, n)
+            try:
+                wait_for(lambda: auth._pending >= 6, interval=0.001)
+                runs = auth.bcrypt_runs
+                assert get(server.port, auth=("prometheus", "s3cret"))[0] == 200
+                waited = auth.bcrypt_runs - runs
+                assert waited <= 3, waited  # FIFO would have waited for the guesser's ~8 queued checks
+                runs = auth.bcrypt_runs
+                for _ in range(5):  # cached from now on
+                    assert get(server.port, auth=("prometheus", "s3cret"))[0] == 200
+            finally:
+                stop.set()
+        assert set(codes) <= {401, 429} and 401 in codes
+
+
+def test_failures_are_limited_per_address_and_verified_credentials_still_pass(tmp_path: Path) -> None:
+    config = _config(tmp_path, b"s3cret", cost=4)
+    with serving(lambda r: Response(200, METRICS), web_config=config) as server:
+        auth = server._web.authenticator
+        assert get(server.port, auth=("prometheus", "s3cret"))[0] == 200  # verified: cached
+        codes = [get(server.port, auth=("prometheus", f"guess{i}"))[0] for i in range(auth.failure_burst + 5)]
+        assert codes[:auth.failure_burst] == [401] * auth.failure_burst and set(codes[auth.failure_burst:]) == {429}
+        runs = auth.bcrypt_runs
+        assert get(server.port, auth=("prometheus", "s3cret"))[0] == 200  # the same address, valid: let in
+        assert get(server.port, auth=("prometheus", "another"), source="127.0.0.3")[0] == 401  # others unaffected
+        assert auth.bcrypt_runs == runs + 1
+
+
+def test_a_password_over_72_bytes_is_compared_as_go_does(tmp_path: Path) -> None:
+    """Go's bcrypt.CompareHashAndPassword (exporter-toolkit) keys Blowfish with the first 72 bytes
+    and has no length check (only GenerateFromPassword refuses longer passwords, since x/crypto
+    bc7d1d1): a hash from a tool that truncated an 80-byte password accepts that password."""
+    password = bytes(range(0x41, 0x41 + 26)) * 3 + b"!!"  # 80 bytes
+    config = _config(tmp_path, password[:72], cost=4)
+    cases = {"80 bytes": password.decode(), "same 72, other tail": password[:72].decode() + "different",
+             "first 71": password[:71].decode()}
+    with serving(lambda r: Response(200, METRICS), web_config=config) as server:
+        ours = {name: get(server.port, auth=("prometheus", pw))[0] for name, pw in cases.items()}
+    assert ours == {"80 bytes": 200, "same 72, other tail": 200, "first 71": 401}
+    if NODE_EXPORTER is None:
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([NODE_EXPORTER, f"--web.config.file={config}", f"--web.listen-address=127.0.0.1:{port}",
+                             "--collector.disable-defaults", "--collector.loadavg"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        def up() -> bool:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                return True
+            except OSError:
+                return False
+
+        wait_for(up, timeout=10)
+        theirs = {name: get(port, auth=("prometheus", pw))[0] for name, pw in cases.items()}
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    assert theirs == ours
