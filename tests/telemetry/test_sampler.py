@@ -119,9 +119,10 @@ def test_driver_loss_reports_failure_and_reinitialises_with_backoff(dgx: FakeNvm
     clock = [5000.0]
     with sampler(NvmlSource(event_wait_ms=20), clock=lambda: clock[0]) as s:
         until(s, healthy)
-        clock[0] = 6000.0
         dgx.unload_driver()
         failed = until(s, lambda sn: not sn.success)
+        # The clock moves only now: a cycle that succeeded just before the unload is stamped 5000 too.
+        clock[0] = 6000.0
         assert failed.devices == () and failed.error and failed.last_success_timestamp == 5000.0
         inits, started = dgx.calls["nvmlInitWithFlags"], time.monotonic()
         wait_for(lambda: dgx.calls["nvmlInitWithFlags"] >= inits + 3)
