@@ -177,6 +177,12 @@ class AllocationBook:
             self._swap(old, None)
             return True
 
+    def holds(self, kernel_id: str, scratch_root: str) -> bool:
+        """Whether ``kernel_id`` is recorded under ``scratch_root`` (O(1), unlike :meth:`known`)."""
+        with self._lock:
+            kernel = self._kernels.get(kernel_id)
+            return kernel is not None and kernel.scratch_root == scratch_root
+
     def known(self, scratch_root: str) -> set[str]:
         """Kernel ids currently recorded under one scratch root."""
         with self._lock:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from decimal import Decimal
 from typing import Any, Protocol
 
@@ -11,11 +12,11 @@ from exporter import __version__
 from exporter.analysis.node import NodeState
 from exporter.analysis.placement import Policy
 from exporter.analysis.simulate import parse_request, result_document, simulate
-from exporter.scratch.allocation import AllocationBook, AllocationView
+from exporter.scratch.allocation import AllocationBook, AllocationView, Kernel
 from exporter.scratch.watcher import ScratchWatcher
 from exporter.web.server import Request, Response, Route, Router
 
-__all__ = ["Routes", "ServedNode", "state_document"]
+__all__ = ["Routes", "ServedNode", "StateText", "state_document"]
 
 TEXT_FORMAT = "text/plain; version=0.0.4; charset=utf-8"
 JSON = "application/json"
@@ -48,6 +49,7 @@ class Routes(Router):
     def __init__(self, node: ServedNode, roots: list[str]) -> None:
         self._node = node
         self._roots = roots
+        self._state_text = StateText()
         super().__init__({
             "/": Route(self._landing),
             "/metrics": Route(self._metrics),
@@ -88,7 +90,7 @@ class Routes(Router):
         return _json(dict(self._node.book.view().alloc_map))
 
     def _state(self, _: Request) -> Response:
-        return _json(state_document(self._node.book.view(), self._roots, self._node.node_state()))
+        return Response(200, self._state_text.render(self._node.book.view(), self._roots, self._node.node_state()), JSON)
 
     def _simulate(self, request: Request) -> Response:
         try:
@@ -108,6 +110,49 @@ def state_document(view: AllocationView, roots: list[str], node: NodeState | Non
     ``node_state`` (devices with capacity, allocation and stale amounts) is what
     ``gpu-alloc-exporter simulate --state FILE`` reads back.
     """
+    return {**_head(view, roots, node), "kernels": [_kernel(k) for k in sorted(view.kernels.values(), key=lambda k: k.kernel_id)]}
+
+
+class StateText:
+    """:func:`state_document` as JSON text, built once per change and per kernel.
+
+    The text is cached against the view's version and the node state, so a client polling
+    ``/api/v1/state`` costs nothing until something moves; each kernel's entry is cached against
+    its immutable :class:`~exporter.scratch.allocation.Kernel` object, so a change re-encodes one
+    kernel, not 10,000 (~360 ms). The bytes equal ``json.dumps(state_document(...), indent=1)``
+    (a test holds them together).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._chunks: dict[str, tuple[Kernel, str]] = {}
+        self._last: tuple[tuple[int, NodeState | None, tuple[str, ...]], bytes] | None = None
+
+    def render(self, view: AllocationView, roots: list[str], node: NodeState | None = None) -> bytes:
+        key = (view.version, node, tuple(roots))
+        with self._lock:
+            if self._last is not None and self._last[0] == key:
+                return self._last[1]
+            chunks = {}
+            for kernel_id, kernel in view.kernels.items():
+                cached = self._chunks.get(kernel_id)
+                if cached is None or cached[0] is not kernel:
+                    # Entries sit at depth 2 of the document: indent every line by two more spaces.
+                    text = json.dumps(_kernel(kernel), indent=1, default=_default).replace("\n", "\n  ")
+                    cached = (kernel, "  " + text)
+                chunks[kernel_id] = cached
+            self._chunks = chunks
+            # "kernels" is the last key, so the document ends with its empty list: splice the entries in.
+            head = json.dumps({**_head(view, roots, node), "kernels": []}, indent=1, default=_default)
+            if chunks:
+                body = ",\n".join(chunks[k][1] for k in sorted(chunks))
+                head = head[: -len("[]\n}")] + "[\n" + body + "\n ]\n}"
+            text = (head + "\n").encode()
+            self._last = (key, text)
+            return text
+
+
+def _head(view: AllocationView, roots: list[str], node: NodeState | None) -> dict[str, Any]:
     devices: dict[str, dict[str, str]] = {}
     for (device_id, slot), amount in sorted(view.device_totals.items()):
         devices.setdefault(device_id, {})[slot] = str(amount)
@@ -120,21 +165,19 @@ def state_document(view: AllocationView, roots: list[str], node: NodeState | Non
         "node": {slot: str(v) for slot, v in sorted(view.node_totals.items())},
         "kernel_states": {s.value: n for s, n in view.state_counts.items()},
         "node_state": node.to_json() if node is not None else None,
-        "kernels": [
-            {
-                "kernel_id": k.kernel_id,
-                "scratch_root": k.scratch_root,
-                "state": k.state.value,
-                "reason": k.reason,
-                "since": k.since,
-                "container_id": k.container_id,
-                "requested": {s: str(v) for s, v in k.spec.requested} if k.spec else {},
-                "allocations": [
-                    {"slot": a.slot, "device_id": a.device_id, "amount": str(a.amount)} for a in k.allocations
-                ],
-            }
-            for k in sorted(view.kernels.values(), key=lambda k: k.kernel_id)
-        ],
+    }
+
+
+def _kernel(k: Kernel) -> dict[str, Any]:
+    return {
+        "kernel_id": k.kernel_id,
+        "scratch_root": k.scratch_root,
+        "state": k.state.value,
+        "reason": k.reason,
+        "since": k.since,
+        "container_id": k.container_id,
+        "requested": {s: str(v) for s, v in k.spec.requested} if k.spec else {},
+        "allocations": [{"slot": a.slot, "device_id": a.device_id, "amount": str(a.amount)} for a in k.allocations],
     }
 
 

@@ -274,3 +274,23 @@ def test_reaching_the_watch_limit_logs_one_line(watched, monkeypatch, caplog) ->
     watcher._full_scan(force=False)
     lines = [r.getMessage() for r in caplog.records if "watch limit" in r.getMessage()]
     assert len(lines) == 1 and "fs.inotify.max_user_watches=" in lines[0] and "\n" not in lines[0]
+
+
+def test_a_rewrite_between_the_first_read_and_the_watch_is_not_lost(tmp_path: Path) -> None:
+    """Kernel watches are armed after the first scan (readiness does not wait for them); a rewrite
+    in that gap is caught by the stat-only pass that follows the arming, not by the hourly rescan."""
+    write_kernel(tmp_path, "k1", {"cuda.shares": {"GPU-a": Decimal("0.5")}})
+    book = AllocationBook()
+
+    class RewriteAfterFirstRead(Scanner):
+        done = False
+
+        def refresh(self, root, kernel_id, force=True):
+            super().refresh(root, kernel_id, force)
+            if not self.done:
+                self.done = True
+                (tmp_path / "k1/config/resource.txt").write_text(FULL.replace("0.5", "0.25") + "X=grown\n")
+
+    with ScratchWatcher(RewriteAfterFirstRead(book), [str(tmp_path)], rescan_interval=3600) as watcher:
+        wait_for(lambda: book.view().alloc_map == {"GPU-a": "0.25"})
+        assert watcher.status().rescans_total == 1
