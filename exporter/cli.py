@@ -137,13 +137,13 @@ def serve(settings: Settings, *, allow_missing_root: bool = False, on_ready=None
     """Run the exporter until SIGTERM/SIGINT (or ``stop`` is set)."""
     from exporter.app import Exporter
     from exporter.web.server import HttpServer
-    from exporter.web.webconfig import WebConfigError, WebConfigSource
+    from exporter.web.webconfig import WebConfigError, WebConfigFile
 
     _check_roots(settings, allow_missing_root)
     host, port = parse_listen_address(settings.web_listen_address)
     web_config = None
     if settings.web_config_file is not None:
-        web_config = WebConfigSource(settings.web_config_file)
+        web_config = WebConfigFile(settings.web_config_file)
         try:
             web_config.load()  # unknown keys, bad hashes, unreadable certificates: exit 2
         except WebConfigError as exc:

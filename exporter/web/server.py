@@ -50,7 +50,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import h11
 
-from exporter.web.webconfig import Active, WebConfigSource, parse_basic_auth, peer_matches_sans
+from exporter.web.webconfig import Active, WebConfigFile, parse_basic_auth, peer_matches_sans
 
 __all__ = ["HttpServer", "Limits", "Request", "Response", "Route", "Router"]
 
@@ -167,7 +167,7 @@ class HttpServer:
 
     :param handler: a :class:`Router` (routes may be offloaded) or a plain function, which then
         runs on the loop for every request.
-    :param web_config: a loaded :class:`~exporter.web.webconfig.WebConfigSource` (TLS, basic auth,
+    :param web_config: a loaded :class:`~exporter.web.webconfig.WebConfigFile` (TLS, basic auth,
         headers, rate limit), or None for plain HTTP without auth. Whether the server speaks TLS is
         decided at :meth:`start`; certificates, users and headers follow the file while serving.
 
@@ -180,7 +180,7 @@ class HttpServer:
         host: str,
         port: int,
         *,
-        web_config: WebConfigSource | None = None,
+        web_config: WebConfigFile | None = None,
         limits: Limits = Limits(),
     ) -> None:
         self._router = handler if isinstance(handler, Router) else None

@@ -73,7 +73,7 @@ __all__ = [
     "TLSSettings",
     "WebConfig",
     "WebConfigError",
-    "WebConfigSource",
+    "WebConfigFile",
     "build_ssl_context",
     "load_web_config",
     "parse_web_config",
@@ -742,7 +742,7 @@ def _signature(paths: tuple[str, ...]) -> tuple:
     return tuple(out)
 
 
-class WebConfigSource:
+class WebConfigFile:
     """A web config file that is re-checked while serving.
 
     :param path: the ``--web.config.file``.

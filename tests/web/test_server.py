@@ -21,7 +21,7 @@ import pytest
 from helpers import HASH, Pki, make_pki, wait_for
 
 from exporter.web.server import HttpServer, Limits, Request, Response
-from exporter.web.webconfig import WebConfigSource
+from exporter.web.webconfig import WebConfigFile
 
 PASSWORD_HASHES: dict[str, str] = {}
 NODE_EXPORTER = shutil.which("prometheus-node-exporter")
@@ -53,7 +53,7 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
 def serving(web_config: Path | None = None, limits: Limits | None = None, check_interval: float = 0) -> Iterator[HttpServer]:
     source = None
     if web_config is not None:
-        source = WebConfigSource(web_config, check_interval=check_interval)
+        source = WebConfigFile(web_config, check_interval=check_interval)
         source.load()
     server = HttpServer(handler, "127.0.0.1", 0, web_config=source, limits=limits or Limits())
     server.start()
@@ -501,7 +501,7 @@ def _cli_wired() -> bool:
 
     from exporter import cli
 
-    return "WebConfigSource" in inspect.getsource(cli)
+    return "WebConfigFile" in inspect.getsource(cli)
 
 
 needs_wiring = pytest.mark.skipif(not _cli_wired(), reason="--web.config.file is not wired into exporter/cli.py yet (patch in the hardening report)")

@@ -24,7 +24,7 @@ import pytest
 from helpers import wait_for
 
 from exporter.web.server import HttpServer, Limits, Request, Response, Route, Router
-from exporter.web.webconfig import WebConfigSource
+from exporter.web.webconfig import WebConfigFile
 
 NODE_EXPORTER = shutil.which("prometheus-node-exporter")
 METRICS = b"# HELP x test\n# TYPE x gauge\nx 1\n"
@@ -34,7 +34,7 @@ METRICS = b"# HELP x test\n# TYPE x gauge\nx 1\n"
 def serving(handler, limits: Limits | None = None, web_config: Path | None = None) -> Iterator[HttpServer]:
     source = None
     if web_config is not None:
-        source = WebConfigSource(web_config, check_interval=0)
+        source = WebConfigFile(web_config, check_interval=0)
         source.load()
     server = HttpServer(handler, "127.0.0.1", 0, limits=limits or Limits(), web_config=source)
     server.start()

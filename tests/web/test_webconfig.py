@@ -22,7 +22,7 @@ from exporter.web.webconfig import (
     FAKE_HASH,
     RateLimiter,
     WebConfigError,
-    WebConfigSource,
+    WebConfigFile,
     build_ssl_context,
     load_web_config,
     parse_basic_auth,
@@ -245,7 +245,7 @@ def test_peer_sans_match_exactly() -> None:
 
 def test_source_reloads_on_change_and_fails_closed_on_a_broken_file(tmp_path: Path, caplog) -> None:
     path = write_config(tmp_path, f"basic_auth_users:\n  a: {HASH}\n")
-    source = WebConfigSource(path, check_interval=0)
+    source = WebConfigFile(path, check_interval=0)
     try:
         assert set(source.load().config.users) == {b"a"}
         assert source.current().config is source.current().config  # unchanged file: no reload
@@ -265,7 +265,7 @@ def test_source_reloads_on_change_and_fails_closed_on_a_broken_file(tmp_path: Pa
 def test_source_checks_at_most_once_per_interval(tmp_path: Path) -> None:
     now = [0.0]
     path = write_config(tmp_path, "")
-    source = WebConfigSource(path, check_interval=1.0, monotonic=lambda: now[0])
+    source = WebConfigFile(path, check_interval=1.0, monotonic=lambda: now[0])
     source.load()
     path.write_text(f"basic_auth_users:\n  a: {HASH}\n")
     assert not source.current().config.users
@@ -278,7 +278,7 @@ def test_unknown_key_makes_the_cli_exit_2(tmp_path: Path, capsys) -> None:
     patch in the report); here through the loader the CLI will call."""
     path = write_config(tmp_path, "basic_auth_user:\n  a: b\n")
     with pytest.raises(WebConfigError) as exc:
-        WebConfigSource(path).load()
+        WebConfigFile(path).load()
     assert str(exc.value) == (f"web config {path}: unknown key 'basic_auth_user' "
                               "(allowed: tls_server_config, http_server_config, basic_auth_users, rate_limit)")
 
