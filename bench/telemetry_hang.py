@@ -1,6 +1,6 @@
 """/metrics latency while one GPU's NVML calls hang (issue: a hung NVML call never delays a scrape).
 
-Runs the exporter in-process on the fake DGX A100 (the real nvidia-ml-py binding over a fake
+Runs the exporter in-process on the simulated DGX A100 (the real nvidia-ml-py binding over a fake
 libnvidia-ml), with a 0.2 s sampling interval, and scrapes /metrics over real HTTP:
 first with every GPU healthy, then with GPU 3's ``nvmlDeviceGetUtilizationRates`` blocked until
 the end. Prints p50/p99 of both phases and whether GPU 3 turned stale while the others kept
@@ -20,15 +20,12 @@ import time
 from decimal import Decimal
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
-from fake_nvml import FakeNvml  # noqa: E402
-
-from exporter.app import Exporter  # noqa: E402
-from exporter.demo import write_kernel  # noqa: E402
-from exporter.settings import Settings  # noqa: E402
-from exporter.telemetry.nvml import NvmlSource  # noqa: E402
-from exporter.web.server import HttpServer  # noqa: E402
+from exporter.app import Exporter
+from exporter.demo import write_kernel
+from exporter.settings import Settings
+from exporter.telemetry.nvml import NvmlSource
+from exporter.telemetry.nvml.simulated import FakeNvml
+from exporter.web.server import HttpServer
 
 
 def scrape(port: int, n: int) -> list[float]:

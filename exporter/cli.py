@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         if command == "scan":
             return _scan(settings, extra["cmd_output"])
         if command == "demo":
-            return _demo(settings, extra["cmd_dir"])
+            return _demo(settings, extra["cmd_dir"], extra["cmd_seed"], extra["cmd_time_scale"])
         if command == "simulate":
             return _simulate(settings, extra["cmd_request"], extra["cmd_policy"], extra["cmd_state"], extra["cmd_output"])
         return serve(settings, allow_missing_root=extra["cmd_allow_missing_root"])
@@ -112,7 +112,11 @@ def build_parser(command: str) -> argparse.ArgumentParser:
                             help="a saved /api/v1/state JSON instead of the live scratch roots and devices")
     if command == "demo":
         parser.add_argument("--demo.dir", dest="cmd_dir", metavar="PATH", default=None,
-                            help="where to build the sample scratch root (default: a new temporary directory)")
+                            help="where to build the node's scratch root, /proc and cgroup tree (default: a new temporary directory)")
+        parser.add_argument("--demo.seed", "--seed", dest="cmd_seed", metavar="N", type=int, default=None,
+                            help="seed for arrivals, amounts, ids and loads: the same seed plays the same node (default: random)")
+        parser.add_argument("--demo.time-scale", "--time-scale", dest="cmd_time_scale", metavar="FACTOR", type=_positive,
+                            default=1.0, help="play the node's schedule this many times faster (default: 1)")
     return parser
 
 
@@ -133,8 +137,10 @@ def _check_roots(settings: Settings, allow_missing: bool) -> None:
             raise ConfigError(f"scratch root {root} is not readable by uid {os.getuid()}")
 
 
-def serve(settings: Settings, *, allow_missing_root: bool = False, on_ready=None, stop: threading.Event | None = None) -> int:
-    """Run the exporter until SIGTERM/SIGINT (or ``stop`` is set)."""
+def serve(settings: Settings, *, allow_missing_root: bool = False, on_ready=None, stop: threading.Event | None = None,
+          telemetry=None) -> int:
+    """Run the exporter until SIGTERM/SIGINT (or ``stop`` is set); ``telemetry``: a ready source
+    instead of the one ``--telemetry.source`` names."""
     from exporter.app import Exporter
     from exporter.web.server import HttpServer
     from exporter.web.webconfig import WebConfigError, WebConfigFile
@@ -148,7 +154,7 @@ def serve(settings: Settings, *, allow_missing_root: bool = False, on_ready=None
             web_config.load()  # unknown keys, bad hashes, unreadable certificates: exit 2
         except WebConfigError as exc:
             raise ConfigError(str(exc).replace("\n", " ")) from None
-    exporter = Exporter(settings)
+    exporter = Exporter(settings, telemetry=telemetry)
     server = HttpServer(exporter.routes, host, port, web_config=web_config)  # routes: some run offloaded
     try:
         server.start()
@@ -244,28 +250,72 @@ def format_table(view) -> str:
     return "\n".join(lines)
 
 
-def _demo(settings: Settings, directory: str | None) -> int:
-    from exporter.demo import build_demo_tree
-    from exporter.telemetry.mock import DEMO_DEVICES_FILE
-
-    base = Path(directory) if directory else Path(tempfile.mkdtemp(prefix="gpu-alloc-demo-"))
-    root, cgroups = base / "scratches", base / "cgroup"
-    build_demo_tree(root, cgroups)
-    update: dict[str, Any] = {"scratch_roots": [root], "path_cgroupfs": cgroups, "stale_grace": 60.0}
-    if settings.telemetry_mock_file is None:  # the demo's own devices, unless the user brings some
-        update.update(telemetry_source="mock", telemetry_mock_file=DEMO_DEVICES_FILE)
-    settings = settings.model_copy(update=update)
-
-    def announce(exporter, server) -> None:
-        host, _ = parse_listen_address(settings.web_listen_address)
-        base = f"http://{host if host not in ('', '0.0.0.0', '::') else '127.0.0.1'}:{server.port}"
-        print(f"gpu-alloc-exporter demo: sample scratch root at {root}, mock devices from {settings.telemetry_mock_file}", flush=True)
-        for path in ("/metrics", "/api/v1/alloc-map", "/api/v1/state", "/-/ready"):
-            print(f"  {base}{path}", flush=True)
-        print("Press Ctrl-C to stop.", flush=True)
-
+def _positive(text: str) -> float:
     try:
-        return serve(settings, on_ready=announce)
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+    return value
+
+
+def _demo(settings: Settings, directory: str | None, seed: int | None, time_scale: float) -> int:
+    """A living node (simulated NVML devices, sessions, /proc, cgroups, planted events), or with
+    ``--telemetry.mock-file`` the still sample tree on those mock devices."""
+    base = Path(directory) if directory else Path(tempfile.mkdtemp(prefix="gpu-alloc-demo-"))
+    try:
+        if settings.telemetry_mock_file is not None:
+            return _demo_still(settings, base)
+        return _demo_living(settings, base, seed, time_scale)
     finally:
         if directory is None:  # a temporary tree of our own: leave nothing behind
             shutil.rmtree(base, ignore_errors=True)
+
+
+def _demo_living(settings: Settings, base: Path, seed: int | None, time_scale: float) -> int:
+    import random
+
+    from exporter.demo.node import LivingNode
+    from exporter.telemetry.nvml import NvmlSource
+
+    seed = random.SystemRandom().randrange(10**6) if seed is None else seed
+    node = LivingNode(base, seed=seed, time_scale=time_scale, agent_id=settings.agent_id or "i-demo-dgx01")
+    # The demo's own paths; its pace only where the user set none.
+    update: dict[str, Any] = {"scratch_roots": [node.scratch], "path_procfs": node.host.proc, "path_cgroupfs": node.host.cgroup,
+                              "agent_id": node.agent_id}
+    defaults = {"telemetry_interval": 2.0, "telemetry_pcie": True, "stale_grace": 60.0 / time_scale,
+                "capacity_overrides": node.capacity_overrides()}
+    update.update({k: v for k, v in defaults.items() if k not in settings.model_fields_set})
+    settings = settings.model_copy(update=update)
+
+    def announce(exporter, server) -> None:
+        node.begin()  # demo second 0: the exporter is ready
+        print(f"gpu-alloc-exporter demo: {node.describe()}", flush=True)
+        _print_urls(settings, server, node.base)
+
+    with node.running():
+        return serve(settings, on_ready=announce, telemetry=NvmlSource(pcie=settings.telemetry_pcie))
+
+
+def _demo_still(settings: Settings, base: Path) -> int:
+    from exporter.demo import build_demo_tree
+
+    root, cgroups = base / "scratches", base / "cgroup"
+    build_demo_tree(root, cgroups)
+    settings = settings.model_copy(update={"scratch_roots": [root], "path_cgroupfs": cgroups, "stale_grace": 60.0})
+
+    def announce(exporter, server) -> None:
+        print(f"gpu-alloc-exporter demo: sample scratch root at {root}, mock devices from {settings.telemetry_mock_file}", flush=True)
+        _print_urls(settings, server, base)
+
+    return serve(settings, on_ready=announce)
+
+
+def _print_urls(settings: Settings, server, base: Path) -> None:
+    host, _ = parse_listen_address(settings.web_listen_address)
+    url = f"http://{host if host not in ('', '0.0.0.0', '::') else '127.0.0.1'}:{server.port}"
+    print(f"files under {base}; serving:", flush=True)
+    for path in ("/metrics", "/api/v1/alloc-map", "/api/v1/state", "/-/ready"):
+        print(f"  {url}{path}", flush=True)
+    print("Press Ctrl-C to stop.", flush=True)

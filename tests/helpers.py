@@ -39,8 +39,6 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
-from fake_nvml import GIB as GiB
-from fake_nvml import FakeNvml
 
 from exporter.analysis.attribution import AttributionTracker, ProcFS
 from exporter.scratch.allocation import Kernel, KernelState
@@ -48,6 +46,8 @@ from exporter.scratch.resources import Allocation, ResourceSpec
 from exporter.telemetry.devices import DeviceResolver
 from exporter.telemetry.model import DeviceReading, TelemetrySnapshot
 from exporter.telemetry.nvml import NvmlSource
+from exporter.telemetry.nvml.simulated import GIB as GiB
+from exporter.telemetry.nvml.simulated import FakeNvml
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository
 FIXTURES = ROOT / "tests" / "fixtures"

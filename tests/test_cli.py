@@ -179,24 +179,46 @@ def test_scan_prints_a_table_and_json(scratch: Path, capsys) -> None:
     assert doc["alloc_map"] == scan_gpu_alloc_map([s.read_text() for s in SAMPLES])
 
 
-def test_demo_builds_a_realistic_tree_and_serves_it(tmp_path: Path) -> None:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "exporter", "demo", "--web.listen-address", "127.0.0.1:0", "--demo.dir", str(tmp_path / "d")],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-    )
+def _run_demo(*args: str) -> tuple[list[str], dict, dict, str]:
+    """Start ``demo``, read what it prints until it is ready, fetch the alloc map, state and
+    metrics, stop it. Returns (printed lines, alloc map, state, metrics)."""
+    proc = subprocess.Popen([sys.executable, "-m", "exporter", "demo", "--web.listen-address", "127.0.0.1:0", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
-        urls = []
+        printed = []
         for line in proc.stdout:
-            if line.strip().startswith("http://"):
-                urls.append(line.strip())
+            printed.append(line.rstrip("\n"))
             if line.startswith("Press Ctrl-C"):
                 break
-        alloc = json.loads(urllib.request.urlopen(next(u for u in urls if u.endswith("/alloc-map")), timeout=5).read())
-        state = json.loads(urllib.request.urlopen(next(u for u in urls if u.endswith("/state")), timeout=5).read())
+        urls = [line.strip() for line in printed if line.strip().startswith("http://")]
+        get = lambda suffix: urllib.request.urlopen(next(u for u in urls if u.endswith(suffix)), timeout=5).read()  # noqa: E731
+        alloc, state, metrics = json.loads(get("/alloc-map")), json.loads(get("/state")), get("/metrics").decode()
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(10) == 0
         proc.stdout.close()
+    return printed, alloc, state, metrics
+
+
+def test_demo_is_a_living_node_and_says_what_will_happen(tmp_path: Path) -> None:
+    printed, alloc, state, metrics = _run_demo("--demo.dir", str(tmp_path / "d"), "--seed", "3")
+    text = "\n".join(printed)
+    assert "seed 3" in text and "planned:" in text and "+1:00  GPU 5 falls off the bus" in text
+    assert len(alloc) >= 3 and state["kernel_states"]["ok"] >= 10
+    slots = {a["slot"] for k in state["kernels"] for a in k["allocations"]}
+    assert {"cuda.shares", "cuda.mem", "cpu", "mem"} <= slots and any(s.endswith("-mig") for s in slots)
+    # Devices through NVML (the simulated library), processes attributed through the simulated /proc.
+    assert 'gpu_alloc_collector_success{collector="nvml"} 1.0' in metrics
+    assert "gpu_alloc_kernel_utilization_ratio{" in metrics and 'reason="host"' in metrics
+    assert (tmp_path / "d" / "proc").is_dir() and list((tmp_path / "d" / "cgroup" / "system.slice").glob("docker-*.scope"))
+    recovery = next((tmp_path / "d" / "scratches").glob("*/config/recovery.json"))
+    assert json.loads(recovery.read_text())["agent_id"] == "i-demo-dgx01"
+
+
+def test_demo_with_mock_devices_builds_a_still_tree_and_serves_it(tmp_path: Path) -> None:
+    from exporter.telemetry.mock import DEMO_DEVICES_FILE
+
+    _, alloc, state, _ = _run_demo("--demo.dir", str(tmp_path / "d"), "--telemetry.mock-file", str(DEMO_DEVICES_FILE))
     assert len(alloc) >= 4
     states = state["kernel_states"]
     assert states["ok"] >= 10 and states["pending"] == 1

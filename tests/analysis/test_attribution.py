@@ -1,6 +1,6 @@
 """GPU processes attributed to kernels on the fake DGX A100 with a recorded /proc tree.
 
-The devices are read through the real NVML source from ``tests/fake_nvml.py`` (GPUs 6 and 7 in MIG
+The devices are read through the real NVML source from ``exporter/telemetry/nvml/simulated.py`` (GPUs 6 and 7 in MIG
 mode); ``PLACEMENT`` puts the fixture PIDs on them. ``tests/fixtures/proc`` holds one directory per
 host PID (``stat``, ``cgroup``, ``mountinfo``), as node_exporter's fixtures do:
 
@@ -29,7 +29,6 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from fake_nvml import GIB as GiB
 from helpers import (
     CID,
     GPU,
@@ -65,6 +64,7 @@ from exporter.analysis.attribution import (
     parse_start_time,
 )
 from exporter.telemetry.model import GpuProcess, TelemetrySnapshot
+from exporter.telemetry.nvml.simulated import GIB as GiB
 
 
 @pytest.fixture

@@ -82,10 +82,11 @@ class Process:
 
 
 class Exporter(Process):
-    """``python -m exporter`` on port 0; the port comes from its 'serving on' log line (as in test_cli)."""
+    """``python -m exporter [command]`` on ``listen`` (port 0 by default); the port comes from its
+    'serving on' log line (as in test_cli)."""
 
-    def __init__(self, args: list[str], log_dir: Path) -> None:
-        super().__init__("exporter", [sys.executable, "-m", "exporter", "--web.listen-address", "127.0.0.1:0", *args], log_dir)
+    def __init__(self, args: list[str], log_dir: Path, *, command: tuple[str, ...] = (), listen: str = "127.0.0.1:0") -> None:
+        super().__init__("exporter", [sys.executable, "-m", "exporter", *command, "--web.listen-address", listen, *args], log_dir)
         try:
             m = wait_until(lambda: re.search(r"serving on http://\S+:(\d+)/metrics", self.log()) or (not self.alive() and "exited"),
                            15, "the exporter to serve")

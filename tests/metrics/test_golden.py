@@ -16,7 +16,6 @@ from decimal import Decimal
 from pathlib import Path
 
 import pytest
-from fake_nvml import FakeNvml
 from helpers import CID, GOLDEN, K1, K2, K3, K4, K5, K6, PLACEMENT, PROC, ROOT
 from prometheus_client import CollectorRegistry, generate_latest
 
@@ -29,6 +28,7 @@ from exporter.telemetry.devices import DeviceResolver
 from exporter.telemetry.mock import DEMO_DEVICES_FILE, MockSource
 from exporter.telemetry.model import TelemetrySnapshot
 from exporter.telemetry.nvml import NvmlSource
+from exporter.telemetry.nvml.simulated import FakeNvml
 
 GOLDEN_FILE = GOLDEN / "full.prom"
 NOW = 1_700_000_000.0

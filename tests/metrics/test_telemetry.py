@@ -7,7 +7,6 @@ import shutil
 import subprocess
 
 import pytest
-from fake_nvml import FakeNvml
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -17,6 +16,7 @@ from exporter.telemetry.devices import DeviceResolver
 from exporter.telemetry.mock import DEMO_DEVICES_FILE, MockSource
 from exporter.telemetry.model import DeviceReading, TelemetrySnapshot, XidCounter
 from exporter.telemetry.nvml import NvmlSource
+from exporter.telemetry.nvml.simulated import FakeNvml
 
 
 class _Collector:

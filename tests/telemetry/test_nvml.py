@@ -8,11 +8,11 @@ import sys
 from dataclasses import fields
 
 import pytest
-from fake_nvml import GIB, UNKNOWN, FakeNvml
 from helpers import wait_for
 
 from exporter.telemetry.model import DeviceReading, MigPlacement, NullSource, TelemetryUnavailable
 from exporter.telemetry.nvml import THROTTLE_REASONS, NvmlSource, probe
+from exporter.telemetry.nvml.simulated import GIB, UNKNOWN, FakeNvml
 from exporter.telemetry.sources import open_source
 
 

@@ -8,12 +8,12 @@ from collections.abc import Callable, Hashable
 from pathlib import Path
 
 import pytest
-from fake_nvml import FakeNvml
 from helpers import FIXTURES, wait_for
 
 from exporter.telemetry.mock import MockConfigError, MockSource
 from exporter.telemetry.model import DeviceReading, NullSource, SourceInfo, TelemetrySnapshot, XidCounter
 from exporter.telemetry.nvml import NvmlSource
+from exporter.telemetry.nvml.simulated import FakeNvml
 from exporter.telemetry.sampler import TelemetrySampler
 from exporter.telemetry.sources import open_source
 

@@ -1,6 +1,7 @@
-"""A realistic sample scratch root for ``gpu-alloc-exporter demo``.
+"""Scratch trees as the agent writes them, and a still sample node for tests.
 
-The devices come from the packaged ``data/demo-devices.toml`` (the same file the demo's mock
+:func:`write_kernel` writes a kernel's ``config/resource.txt``; :func:`build_demo_tree` a fixed
+sample node whose devices come from the packaged ``data/demo-devices.toml`` (the same file mock
 telemetry reads), so allocations and telemetry describe the same GPUs. Files are written in the
 current agent format (``CID=`` appended last, compact ``SLOTS``), as Backend.AI writes them.
 """
@@ -14,7 +15,7 @@ from decimal import Decimal
 from importlib import resources
 from pathlib import Path
 
-__all__ = ["DEMO_DEVICES", "build_demo_tree", "demo_devices", "write_kernel"]
+__all__ = ["DEMO_DEVICES", "append_cid", "build_demo_tree", "demo_devices", "resource_lines", "write_kernel"]
 
 DEMO_DEVICES = "demo-devices.toml"
 
@@ -37,32 +38,63 @@ def write_kernel(
     kernel_id: str,
     allocations: dict[str, dict[str, Decimal | str]],
     *,
-    cpus: int = 2,
+    cpus: int | list[int] = 2,
     mem: str = "8g",
     container_id: str | None = None,
     complete: bool = True,
+    mounts: list[str] | None = None,
+    tail: list[str] | None = None,
 ) -> Path:
     """Write ``{root}/{kernel_id}/config/resource.txt`` as the agent does (slot -> device -> amount).
 
-    ``complete=False`` writes only the first line, as a reader sees a file the agent is still writing.
+    Bytes slots (``cuda.mem``) take BinarySize amounts (``"10g"``), written as given in their
+    ``_SHARES`` line and in bytes in ``SLOTS``, as the agent does. ``cpus`` is a count (cores 0…n-1)
+    or the core ids. ``mounts`` are the ``MOUNTS`` entries (``src:dst:mode``); ``tail`` lines follow
+    the ``_SHARES`` lines (a plugin's ``CUDA_*`` lines). ``complete=False`` writes only the first
+    line, as a reader sees a file the agent is still writing. ``container_id`` appends a ``CID=``
+    line at once; the agent appends it later (:func:`append_cid`).
     """
     config = root / kernel_id / "config"
     config.mkdir(parents=True, exist_ok=True)
     (root / kernel_id / "work").mkdir(exist_ok=True)
-    slots = {"cpu": str(cpus), "mem": str(_bytes(mem))}
-    for slot, per_device in allocations.items():
-        slots[slot] = str(sum((Decimal(str(v)) for v in per_device.values()), Decimal(0)))
-    lines = ["SCRATCH_SIZE=0m", "MOUNTS=", "SLOTS=" + json.dumps(slots, separators=(",", ":")), "UNIFIED_DEVICES=[]"]
-    for slot, per_device in allocations.items():
-        lines.append(f"{slot.upper()}_SHARES=" + ",".join(f"{d}:{v}" for d, v in per_device.items()))
-    lines.append("CPU_SHARES=" + ",".join(f"{i}:1" for i in range(cpus)))
-    lines.append(f"MEM_SHARES=root:{mem}")
-    text = "\n".join(lines) + "\n"
+    path = config / "resource.txt"
+    lines = resource_lines(allocations, cpus=cpus, mem=mem, mounts=mounts, tail=tail)
+    text = "".join(line + "\n" for line in lines)
     if container_id:
         text += f"CID={container_id}\n"
-    path = config / "resource.txt"
     path.write_text(text if complete else lines[0] + "\n")
     return path
+
+
+def resource_lines(
+    allocations: dict[str, dict[str, Decimal | str]],
+    *,
+    cpus: int | list[int] = 2,
+    mem: str = "8g",
+    mounts: list[str] | None = None,
+    tail: list[str] | None = None,
+) -> list[str]:
+    """The lines of a ``resource.txt`` before any ``CID=``, in the agent's order."""
+    cores = list(range(cpus)) if isinstance(cpus, int) else list(cpus)
+    slots = {"cpu": str(len(cores)), "mem": str(_bytes(mem))}
+    for slot, per_device in allocations.items():
+        if "mem" in slot:  # a bytes slot (ResourceSlot._guess_slot_type)
+            slots[slot] = str(sum(_bytes(str(v)) for v in per_device.values()))
+        else:
+            slots[slot] = str(sum((Decimal(str(v)) for v in per_device.values()), Decimal(0)))
+    lines = ["SCRATCH_SIZE=0m", "MOUNTS=" + ",".join(mounts or ()), "SLOTS=" + json.dumps(slots, separators=(",", ":")),
+             "UNIFIED_DEVICES=[]"]
+    for slot, per_device in allocations.items():
+        lines.append(f"{slot.upper()}_SHARES=" + ",".join(f"{d}:{v}" for d, v in per_device.items()))
+    lines.append("CPU_SHARES=" + ",".join(f"{i}:1" for i in cores))
+    lines.append(f"MEM_SHARES=root:{mem}")
+    return lines + list(tail or ())
+
+
+def append_cid(path: Path, container_id: str) -> None:
+    """Append ``CID=<id>`` as the agent does once the container exists (again on every restart)."""
+    with path.open("a") as f:
+        f.write(f"CID={container_id}\n")
 
 
 def _bytes(size: str) -> int:

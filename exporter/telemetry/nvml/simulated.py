@@ -498,6 +498,28 @@ class FakeNvml:
             gpu.gis = []
             gpu.mig_current = gpu.mig_pending = False
 
+    def update(self, index: int, **values: Any) -> None:
+        """Set fields of GPU ``index`` (``util_gpu``, ``memory_used``, ``temperature``, ``power_mw``,
+        ``clocks_event``, ``ecc_corrected``, ``remapped_rows``, ``process_sm``…) in one step, so no
+        call sees half a change. A new ``power_mw`` keeps the energy counter continuous: it
+        integrates each power level over the time it was drawn."""
+        with self._lock:
+            gpu = self.gpus[index]
+            unknown = [name for name in values if not hasattr(gpu, name)]
+            if unknown:
+                raise AttributeError(f"FakeGpu has no field {unknown[0]!r}")
+            if "power_mw" in values:
+                elapsed = max(0.0, self._clock() - self._epoch)
+                gpu.energy_mj += int(gpu.power_mw * elapsed) - int(values["power_mw"] * elapsed)
+            for name, value in values.items():
+                setattr(gpu, name, value)
+
+    def set_mig_memory(self, index: int, mig_index: int, used: int) -> None:
+        """Memory used in the GPU instance of MIG device ``mig_index`` of GPU ``index``, in bytes."""
+        with self._lock:
+            gi = next(gi for gi, ci in self.gpus[index].cis() if ci.mig_index == mig_index)
+            gi.memory_used = used
+
     # -- dispatch --------------------------------------------------------------------------
 
     def _symbol(self, symbol: str) -> Callable[..., int]:

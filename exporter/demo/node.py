@@ -1,0 +1,696 @@
+"""The living demo node: a simulated DGX A100 running Backend.AI sessions that come and go.
+
+Everything the exporter reads is produced the way the real thing produces it, and read through
+the exporter's real paths:
+
+* **devices**: NVIDIA's ``pynvml`` binding over the simulated ``libnvidia-ml``
+  (:mod:`exporter.telemetry.nvml.simulated`, the DGX A100 preset: 8× A100-SXM4-40GB, GPUs 6 and 7
+  in MIG mode), read by the exporter's own :class:`~exporter.telemetry.nvml.NvmlSource`;
+* **the scratch tree**: each session's ``config/resource.txt`` written as the agent writes it
+  (truncated, then written in place; ``CID=`` appended once the container runs), placed by the
+  agent's EVENLY allocator (:mod:`exporter.analysis.placement`); ``config/recovery.json`` in the
+  agent's schema, every kernel's rewritten in place on each start and stop, as the agent does;
+* **the host**: ``/proc/<pid>`` and the cgroup v2 tree of Docker's systemd driver
+  (:mod:`exporter.demo.host`), so process attribution and stale-kernel checks run on real files.
+
+Sessions arrive at random (seeded) and leave; busy, bursty and idle kernels, a kernel that never
+started a process, MIG kernels and CPU-only kernels. On top, a schedule of planted events: an
+isolation breach, a host process on a GPU, XIDs, corrected ECC errors, a pending row remap, a
+thermal throttle, a GPU that falls off the bus and comes back, a container removed out of band
+(its kernel turns stale), a ``resource.txt`` left half-written. Each is logged as it happens.
+
+Times are *demo seconds*: wall seconds since the start times ``time_scale``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import itertools
+import json
+import logging
+import math
+import random
+import shutil
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from decimal import Decimal
+from pathlib import Path
+
+from exporter.analysis.capacity import CapacityConfig, fractional_capacity
+from exporter.analysis.placement import DeviceFree, Placement, Policy, Request, place
+from exporter.demo.host import SimulatedHost
+from exporter.demo.tree import append_cid, resource_lines
+from exporter.telemetry.nvml.simulated import GIB, MIB, FakeNvml
+
+__all__ = ["AGENT_ID", "LivingNode", "PlannedEvent"]
+
+log = logging.getLogger("exporter.demo")
+
+AGENT_ID = "i-demo-dgx01"
+SHARES = "cuda.shares"
+UNIT_MEM = 2 * GIB  # the fractional plugin's unit_mem: a share's memory limit
+_ARRIVAL_MEAN = 40.0  # demo seconds between session arrivals (exponential)
+_TICK = 1.0  # wall seconds between telemetry updates of the simulated GPUs
+_IMAGES = {
+    "training": ("stable/pytorch", "stable", "2.3-py312-cuda12.4"),
+    "inference": ("stable/vllm", "stable", "0.5.4-py310-cuda12.4"),
+    "notebook": ("stable/python-ff", "stable", "24.03-py310-cuda12.4"),
+    "batch": ("cloud/tensorflow", "cloud", "2.15-py312-cuda12.3"),
+    "cpu": ("stable/python", "stable", "3.12-ubuntu22.04"),
+}
+_COMMANDS = {"training": "python3", "inference": "python3", "notebook": "python", "batch": "python3"}
+
+
+@dataclass
+class GpuProcess:
+    """A CUDA process of a session (or of the host) on one GPU or MIG device."""
+
+    pid: int
+    gpu: int
+    mig: int | None
+    memory: int  # bytes
+    kind: str  # training, inference, notebook (idle), batch, breach, host
+
+
+@dataclass
+class Session:
+    """One Backend.AI kernel (single-kernel session) on this agent."""
+
+    kernel_id: str
+    session_id: str
+    owner: str | None
+    kind: str  # training, inference, notebook, batch, idle-start, mig, cpu
+    allocations: dict[str, dict[str, Decimal | str]]
+    container_id: str
+    cpus: list[int]
+    mem: str
+    started: float  # demo seconds
+    ends: float | None  # demo seconds; None: stays
+    processes: list[GpuProcess] = field(default_factory=list)
+    running: bool = False  # its container runs
+    planted: str = ""  # the role it plays in a planted event
+
+
+@dataclass(frozen=True)
+class PlannedEvent:
+    """A planted event: when (demo seconds), what, and the step that makes it happen."""
+
+    at: float
+    what: str
+    step: Callable[[], None] = field(compare=False, repr=False)
+
+
+class LivingNode:
+    """A simulated GPU node with its agent's scratch tree, ``/proc`` and cgroups under ``base``.
+
+    :param base: directory for ``scratches/``, ``proc/`` and ``cgroup/`` (created).
+    :param seed: makes arrivals, amounts, ids and loads reproducible.
+    :param time_scale: demo seconds per wall second (20 plays the 5-minute schedule in 15 s).
+    :param clock: monotonic wall seconds (injected in tests).
+    """
+
+    def __init__(self, base: Path, *, seed: int, time_scale: float = 1.0, agent_id: str = AGENT_ID,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if time_scale <= 0:
+            raise ValueError("time scale must be positive")
+        self.base = base
+        self.scratch = base / "scratches"
+        self.scratch.mkdir(parents=True, exist_ok=True)
+        self.host = SimulatedHost(base)
+        self.seed = seed
+        self.time_scale = time_scale
+        self.agent_id = agent_id
+        self._clock = clock
+        self._rng = random.Random(seed)
+        self.machine = FakeNvml.dgx_a100()
+        self.machine.max_event_wait_ms = 1000  # XID waits wake on an event; no need to poll fast
+        self.sessions: dict[str, Session] = {}
+        self.host_processes: list[GpuProcess] = []
+        self._pids = itertools.count(self._rng.randrange(180_000, 240_000), 7)
+        self._users = [str(uuid.UUID(int=self._rng.getrandbits(128), version=4)) for _ in range(5)]
+        self._queue: list[tuple[float, int, str, Callable[[], None]]] = []
+        self._seq = itertools.count()
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._t0 = clock()
+        self._lost: set[int] = set()
+        self._throttled: set[int] = set()
+        self._sweeping: list[Session] = []
+        self.schedule: list[PlannedEvent] = []
+        self._shares_gpus = [g.index for g in self.machine.gpus if not g.mig_current]
+        self._capacity = {
+            g.index: fractional_capacity(g.memory_total, 108, CapacityConfig()) for g in self.machine.gpus
+        }
+        self._reset_machine()
+
+    # -- the simulated machine ---------------------------------------------------------------
+
+    def _reset_machine(self) -> None:
+        """The preset's GPUs, with nothing running: idle clocks, no processes."""
+        for gpu in self.machine.gpus:
+            self.machine.set_processes(gpu.index, [])
+            for _, ci in gpu.cis():
+                self.machine.set_processes(gpu.index, [], mig_index=ci.mig_index)
+                self.machine.set_mig_memory(gpu.index, ci.mig_index, 0)
+            self.machine.update(gpu.index, process_sm={}, clocks_event=0x1)
+        self._animate()
+
+    def device_id(self, gpu: int, mig: int | None = None) -> str:
+        """The id the agent's plugin writes: ``GPU-<uuid>``, or ``MIG-<uuid>`` for a MIG device."""
+        g = self.machine.gpus[gpu]
+        if mig is None:
+            return g.uuid
+        return next(ci.uuid for _, ci in g.cis() if ci.mig_index == mig)
+
+    def capacity_overrides(self) -> list[str]:
+        """``DEVICE_ID=SHARES`` per whole GPU: the shares the fractional plugin registers for it
+        (``min(memory / unit_mem, SMs / unit_proc)``), which NVML alone cannot tell."""
+        return [f"{self.device_id(i)}={self._capacity[i]}" for i in self._shares_gpus]
+
+    def _mig_devices(self) -> list[tuple[int, int, str]]:
+        """(GPU, MIG index, slot) of every MIG device, in the order the agent enumerates them."""
+        out = []
+        for gpu in self.machine.gpus:
+            for gi, ci in gpu.cis():
+                out.append((gpu.index, ci.mig_index, f"cuda.device:{gi.spec.name}-mig"))
+        return out
+
+    # -- time and the event queue --------------------------------------------------------------
+
+    def now(self) -> float:
+        """Demo seconds since the start."""
+        return (self._clock() - self._t0) * self.time_scale
+
+    def _at(self, at: float, what: str, step: Callable[[], None]) -> None:
+        with self._lock:
+            heapq.heappush(self._queue, (at, next(self._seq), what, step))
+
+    def _plant(self, at: float, what: str, step: Callable[[], None]) -> None:
+        self.schedule.append(PlannedEvent(at, what, step))
+
+        def planted() -> None:
+            log.info("demo event at %s: %s", _mmss(at), what)
+            step()
+
+        self._at(at, what, planted)
+
+    def populate(self) -> None:
+        """The sessions running at the start, and the schedule; the clock stands at 0 until :meth:`begin`."""
+        self._t0 = self._clock()
+        self._populate()
+
+    def begin(self) -> None:
+        """Start the clock (demo second 0 is now) and run the schedule on a thread."""
+        with self._lock:
+            self._t0 = self._clock()
+        self._thread = threading.Thread(target=self._run, name="demo-node", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+            self._thread = None
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[LivingNode]:
+        """The simulated driver installed under ``pynvml`` and the node populated, for the duration;
+        call :meth:`begin` once the exporter is ready to start the clock."""
+        with self.machine.installed():
+            self.populate()
+            try:
+                yield self
+            finally:
+                self.close()
+
+    def _run(self) -> None:
+        next_tick = self._clock() + _TICK
+        while not self._stop.is_set():
+            self.run_due()
+            if self._clock() >= next_tick:
+                with self._lock:
+                    self._animate()
+                next_tick = self._clock() + _TICK
+            with self._lock:
+                due = self._queue[0][0] if self._queue else math.inf
+            wait = min(next_tick - self._clock(), (due - self.now()) / self.time_scale)
+            self._stop.wait(max(0.0, min(wait, _TICK)))
+
+    def run_due(self) -> None:
+        """Run every step whose time has come (the thread calls this; tests may too)."""
+        while True:
+            with self._lock:
+                if not self._queue or self._queue[0][0] > self.now():
+                    return
+                _, _, what, step = heapq.heappop(self._queue)
+                try:
+                    step()
+                except Exception:  # one broken step must not stop the node
+                    log.exception("demo step failed: %s", what)
+
+    # -- the node at start and the planted schedule -----------------------------------------------
+
+    def _populate(self) -> None:
+        """Sessions already running when the demo starts, and the schedule of planted events."""
+        run = self._launch
+        trainer = run("training", {SHARES: Decimal(16)}, cuda_mem=True, instant=True, planted="uses 97% of its cuda.mem")
+        run("training", {SHARES: Decimal(4)}, instant=True)
+        bursty = run("inference", {SHARES: Decimal("2.5")}, instant=True)
+        run("notebook", {SHARES: Decimal(1)}, cuda_mem=True, instant=True)
+        run("notebook", {SHARES: Decimal("0.5")}, instant=True)
+        run("idle-start", {SHARES: Decimal(2)}, instant=True)
+        run("batch", {SHARES: Decimal(6)}, instant=True)
+        for profile in ("3g.20gb", "1g.5gb", "1g.5gb", "1g.5gb"):
+            run("mig", {f"cuda.device:{profile}-mig": Decimal(1)}, instant=True)
+        run("cpu", {}, instant=True)
+        run("cpu", {}, instant=True)
+        # A user's benchmark started on the host, outside any container.
+        host_gpu = self._free_gpu(avoid=())
+        host = GpuProcess(next(self._pids), host_gpu, None, 3 * GIB, "host")
+        self.host.spawn(host.pid, "python3", started=0.0, ppid=4410)
+        self.host_processes.append(host)
+        self._sync_processes()
+        self._animate()
+        self._arrive_later(25.0)
+
+        breach_gpu = self._free_gpu(avoid=(host_gpu, *self._gpus_of(trainer)))
+        lost = self._shares_gpus[-1]
+        ecc_gpu, remap_gpu, hot_gpu = self._shares_gpus[3], self._shares_gpus[2], self._shares_gpus[1]
+        stale = bursty
+        self._plant(10, f"isolation breach: kernel {trainer.kernel_id} starts a process on GPU {breach_gpu}, "
+                        "which it was not allocated (fires GpuAllocIsolationBreach after 2m)",
+                    lambda: self._breach(trainer, breach_gpu))
+        self._plant(15, f"XID 13 (graphics engine exception, an application fault) on GPU {self._gpus_of(trainer)[0]}",
+                    lambda: self.machine.push_xid(self._gpus_of(trainer)[0], 13))
+        self._plant(30, f"3 corrected ECC errors on GPU {ecc_gpu}", lambda: self._ecc(ecc_gpu, 3))
+        self._plant(45, "the agent stops half-way through writing a new kernel's resource.txt "
+                        "(pending, then stale after --stale.grace)", self._half_written)
+        self._plant(50, f"5 more corrected ECC errors on GPU {ecc_gpu}", lambda: self._ecc(ecc_gpu, 5))
+        self._plant(60, f"GPU {lost} falls off the bus (XID 79); its processes die (fires GpuAllocGpuLost after 1m)",
+                    lambda: self._fall_off(lost))
+        self._plant(75, f"a memory row of GPU {remap_gpu} is remapped, pending a GPU reset (XID 63; "
+                        "fires GpuAllocXidCritical at once, GpuAllocGpuResetPending after 15m)",
+                    lambda: self._remap(remap_gpu))
+        self._plant(90, f"GPU {hot_gpu} overheats: sw_thermal_slowdown holds its clocks down "
+                        "(fires GpuAllocThermalThrottling after 10m)", lambda: self._throttle(hot_gpu, True))
+        self._plant(120, f"the container of kernel {stale.kernel_id} is removed out of band (docker rm -f); "
+                         "its scratch directory stays behind: a stale kernel",
+                    lambda: self._remove_out_of_band(stale))
+        self._plant(180, f"GPU {lost} is back after a reset (GpuAllocGpuLost resolves)", lambda: self._recover(lost))
+        self._plant(200, f"the stray process of kernel {trainer.kernel_id} on GPU {breach_gpu} exits "
+                         "(GpuAllocIsolationBreach resolves)", lambda: self._end_breach(trainer))
+        self._plant(195, "a hyper-parameter sweep fills every GPU but a sliver: enough fGPU free in total, too little "
+                         "on any one GPU (stranded, fires GpuAllocNodeFragmented after 30m)", self._sweep)
+        self._plant(240, f"GPU {hot_gpu} cools down (throttling ends)", lambda: self._throttle(hot_gpu, False))
+        self._plant(285, "the sweep ends", self._end_sweep)
+
+    def describe(self) -> str:
+        """What runs on the node now and what will happen when: printed at start."""
+        with self._lock:
+            lines = [f"simulated node {self.agent_id}: {len(self.machine.gpus)}x {self.machine.gpus[0].name} "
+                     f"(driver {self.machine.driver_version}), seed {self.seed}"
+                     + (f", time x{self.time_scale:g}" if self.time_scale != 1 else "")]
+            for gpu in self.machine.gpus:
+                if gpu.mig_current:
+                    layout = ", ".join(gi.spec.name for gi in gpu.gis)
+                    lines.append(f"  GPU {gpu.index} {gpu.uuid}: MIG {layout}")
+                else:
+                    lines.append(f"  GPU {gpu.index} {gpu.uuid}: {self._capacity[gpu.index]} fGPU shares")
+            lines.append(f"sessions ({len(self.sessions)}):")
+            for s in self.sessions.values():
+                what = "; ".join(f"{slot} " + ", ".join(f"{self._short(d)}:{a}" for d, a in per.items())
+                                 for slot, per in s.allocations.items() if slot != "cuda.mem") or "CPU only"
+                lines.append(f"  {s.kernel_id} {s.kind:<10} {what}" + (f" ({s.planted})" if s.planted else ""))
+            for p in self.host_processes:
+                lines.append(f"  host process {p.pid} on GPU {p.gpu}, outside any container")
+            lines.append(f"new sessions arrive about every {_ARRIVAL_MEAN:g}s and leave after 1.5-5 minutes; planned:")
+            for e in sorted(self.schedule, key=lambda e: e.at):
+                lines.append(f"  {_mmss(e.at)}  {e.what}")
+            return "\n".join(lines)
+
+    def _short(self, device_id: str) -> str:
+        for gpu in self.machine.gpus:
+            if gpu.uuid == device_id:
+                return f"GPU{gpu.index}"
+            for gi, ci in gpu.cis():
+                if ci.uuid == device_id:
+                    return f"GPU{gpu.index}/{gi.spec.name}"
+        return device_id
+
+    # -- sessions ------------------------------------------------------------------------------
+
+    def _free(self, slot: str) -> list[DeviceFree]:
+        """Devices of ``slot`` with what live kernels hold (the agent's alloc map), in its order."""
+        held: dict[str, Decimal] = {}
+        for s in self.sessions.values():
+            if s.running or s.planted != "stale":
+                for device, amount in s.allocations.get(slot, {}).items():
+                    held[device] = held.get(device, Decimal(0)) + Decimal(str(amount))
+        if slot == SHARES:
+            ids = [(self.device_id(i), self._capacity[i]) for i in self._shares_gpus if i not in self._lost]
+        else:
+            ids = [(self.device_id(g, m), Decimal(1)) for g, m, s in self._mig_devices() if s == slot]
+        return [DeviceFree(d, cap, held.get(d, Decimal(0))) for d, cap in ids]
+
+    def _launch(self, kind: str, request: dict[str, Decimal], *, cuda_mem: bool = False, instant: bool = False,
+                duration: float | None = None, planted: str = "", half_written: bool = False) -> Session | None:
+        """A session arrives: placed by EVENLY on what live kernels leave free, or rejected (logged).
+
+        ``instant``: already running when the demo starts. ``half_written``: the agent stops after
+        the first lines of resource.txt and never starts the container.
+        """
+        allocations: dict[str, dict[str, Decimal | str]] = {}
+        for slot, amount in request.items():
+            result = place(self._free(slot), Request(slot, amount), Policy.EVENLY)
+            if not isinstance(result, Placement):
+                log.info("demo: a %s session asking %s=%s is rejected (%s: %s)", kind, slot, amount, result.reason, result.detail)
+                return None
+            allocations[slot] = dict(result.amounts)
+        if cuda_mem and SHARES in allocations:
+            allocations["cuda.mem"] = {d: _size(Decimal(str(a)) * UNIT_MEM) for d, a in allocations[SHARES].items()}
+        rng = self._rng
+        cpus = sorted(rng.sample(range(256), {"cpu": 8, "training": 16, "batch": 8}.get(kind, 4)))
+        session = Session(
+            kernel_id=str(uuid.UUID(int=rng.getrandbits(128), version=4)),
+            session_id=str(uuid.UUID(int=rng.getrandbits(128), version=4)),
+            owner=rng.choice(self._users) if kind != "batch" else None,
+            kind=kind, allocations=allocations, container_id=f"{rng.getrandbits(256):064x}",
+            cpus=cpus, mem={"training": "64g", "batch": "32g", "cpu": "16g"}.get(kind, "8g"),
+            started=self.now(), ends=None if duration is None else self.now() + duration, planted=planted,
+        )
+        self.sessions[session.kernel_id] = session
+        if half_written:
+            self._write(session, complete=False)
+        elif instant:
+            self._write(session, complete=True)
+            self._start_container(session)
+            self._start_processes(session)
+        else:
+            # truncate-and-write in place, CID= after the container starts, processes a little later
+            self._write(session, complete=False)
+            self._at(self.now() + 0.4, "resource.txt completed", lambda: self._write(session, complete=True))
+            self._at(self.now() + 2, "container started", lambda: self._start_container(session))
+            self._at(self.now() + 5, "processes started", lambda: self._start_processes(session))
+        if session.ends is not None and not half_written:
+            self._at(session.ends, "session ends", lambda: self._terminate(session))
+        return session
+
+    def _write(self, s: Session, *, complete: bool) -> None:
+        kdir = self.scratch / s.kernel_id
+        (kdir / "config").mkdir(parents=True, exist_ok=True)
+        (kdir / "work").mkdir(exist_ok=True)
+        mounts = [f"{kdir}/config:/home/config:ro", f"{kdir}/work:/home/work:rw", "/etc/localtime:/etc/localtime:ro",
+                  "backendai-krunner.v10.x86_64.ubuntu22.04:/opt/backend.ai:ro"]
+        lines = resource_lines(s.allocations, cpus=s.cpus, mem=s.mem, mounts=mounts, tail=self._cuda_tail(s))
+        if s.running:
+            lines.append(f"CID={s.container_id}")
+        path = kdir / "config" / "resource.txt"
+        # The agent opens the file with "w" (truncate) and writes: a reader can see any prefix.
+        with path.open("w") as f:
+            f.write("".join(line + "\n" for line in (lines if complete else lines[:3])))
+
+    def _cuda_tail(self, s: Session) -> list[str]:
+        shares = s.allocations.get(SHARES)
+        if not shares:
+            return []
+        return [
+            "CUDA_GLOBAL_DEVICE_IDS=" + ",".join(f"{n}:{d}" for n, d in enumerate(shares)),
+            "CUDA_RESOURCE_VIRTUALIZED=1",
+            "CUDA_MEMORY_LIMITS=" + ",".join(f"{d}:{int(Decimal(str(a)) * UNIT_MEM)}" for d, a in shares.items()),
+            "CUDA_PROCESSOR_LIMITS=" + ",".join(f"{d}:{int(Decimal(str(a)) * 8)}" for d, a in shares.items()),
+            "CUDA_RESERVED_MEMORY=0",
+        ]
+
+    def _start_container(self, s: Session) -> None:
+        if s.kernel_id not in self.sessions:
+            return
+        self.host.start_container(s.container_id)
+        s.running = True
+        append_cid(self.scratch / s.kernel_id / "config" / "resource.txt", s.container_id)
+        self._write_recovery_files()
+
+    def _start_processes(self, s: Session) -> None:
+        if not s.running or s.kind in ("cpu", "idle-start"):
+            return
+        kdir = self.scratch / s.kernel_id
+        init = next(self._pids)
+        self.host.spawn(init, "tini", started=self.now(), container_id=s.container_id, scratch_dir=kdir, ppid=1187)
+        for slot, per_device in s.allocations.items():
+            if slot == "cuda.mem":
+                continue
+            for device, amount in per_device.items():
+                gpu, mig = self._locate(device)
+                if gpu in self._lost:
+                    continue
+                if mig is not None:
+                    gi = next(gi for gi, ci in self.machine.gpus[gpu].cis() if ci.mig_index == mig)
+                    memory = int(gi.spec.memory_mib * MIB * self._rng.uniform(0.3, 0.8))
+                else:
+                    fill = {"training": 0.97 if s.planted else 0.85, "inference": 0.55, "notebook": 0.3, "batch": 0.7}[s.kind]
+                    memory = int(Decimal(str(amount)) * UNIT_MEM * Decimal(fill))
+                pid = next(self._pids)
+                self.host.spawn(pid, _COMMANDS.get(s.kind, "python3"), started=self.now(), container_id=s.container_id,
+                                scratch_dir=kdir, ppid=init)
+                s.processes.append(GpuProcess(pid, gpu, mig, memory, "notebook" if s.kind == "notebook" else s.kind))
+        self._sync_processes()
+
+    def _terminate(self, s: Session) -> None:
+        """The session ends: processes exit, the container goes, the agent removes the scratch directory."""
+        if self.sessions.pop(s.kernel_id, None) is None:
+            return
+        for p in s.processes:
+            self.host.exit(p.pid)
+        s.processes.clear()
+        self.host.remove_container(s.container_id)
+        shutil.rmtree(self.scratch / s.kernel_id, ignore_errors=True)
+        self._sync_processes()
+        self._write_recovery_files()
+        log.info("demo: session %s (%s) ended", s.kernel_id, s.kind)
+
+    def _write_recovery_files(self) -> None:
+        """Every running kernel's ``config/recovery.json``, rewritten in place (not atomically), as the
+        agent's kernel registry does on every kernel start and stop."""
+        for s in self.sessions.values():
+            if not s.running:
+                continue
+            name, project, tag = _IMAGES["notebook" if s.kind in ("idle-start", "mig") else s.kind]
+            doc = {
+                "id": s.kernel_id, "agent_id": self.agent_id,
+                "image_ref": {"name": name, "project": project, "tag": tag, "registry": "cr.backend.ai",
+                              "architecture": "x86_64", "is_local": False},
+                "version": 5,
+                "ownership_data": {"kernel_id": s.kernel_id, "session_id": s.session_id, "agent_id": self.agent_id,
+                                   "owner_user_id": s.owner, "owner_project_id": None},
+                "network_id": f"bai-singlenode-{s.session_id[:8]}", "network_driver": "bridge",
+                "session_type": "batch" if s.kind == "batch" else "inference" if s.kind == "inference" else "interactive",
+                "block_service_ports": False, "domain_socket_proxies": [],
+                "service_ports": [] if s.kind == "batch" else [
+                    {"name": "jupyter", "protocol": "http", "container_ports": [8081], "host_ports": [30712], "is_inference": False},
+                    {"name": "sshd", "protocol": "tcp", "container_ports": [2200], "host_ports": [30713], "is_inference": False}],
+                "repl_in_port": 2000, "repl_out_port": 2001,
+            }
+            path = self.scratch / s.kernel_id / "config" / "recovery.json"
+            with contextlib.suppress(FileNotFoundError), path.open("w") as f:
+                f.write(json.dumps(doc, separators=(",", ":")))
+
+    def _arrive_later(self, delay: float) -> None:
+        self._at(self.now() + delay, "a session arrives", self._arrive)
+
+    def _arrive(self) -> None:
+        rng = self._rng
+        if self._sweeping:  # the scheduler sees no room on this node meanwhile
+            self._arrive_later(rng.expovariate(1 / _ARRIVAL_MEAN))
+            return
+        kind = rng.choice(["training", "inference", "notebook", "batch", "notebook", "mig"])
+        duration = rng.uniform(90, 300)
+        if kind == "mig":
+            slot = rng.choice(sorted({slot for _, _, slot in self._mig_devices()}))
+            s = self._launch("mig", {slot: Decimal(1)}, duration=duration)
+        else:
+            amount = Decimal(rng.choice(["0.5", "1", "1.5", "2", "2.5", "3", "4", "8"]))
+            s = self._launch(kind, {SHARES: amount}, cuda_mem=rng.random() < 0.3, duration=duration)
+        if s is not None:
+            log.info("demo: session %s (%s) arrives: %s", s.kernel_id, kind,
+                     "; ".join(f"{slot} " + ", ".join(f"{self._short(d)}:{a}" for d, a in per.items())
+                               for slot, per in s.allocations.items() if slot != "cuda.mem"))
+        self._arrive_later(rng.expovariate(1 / _ARRIVAL_MEAN))
+
+    # -- processes and device load ------------------------------------------------------------
+
+    def _locate(self, device_id: str) -> tuple[int, int | None]:
+        for gpu in self.machine.gpus:
+            if gpu.uuid == device_id:
+                return gpu.index, None
+            for _, ci in gpu.cis():
+                if ci.uuid == device_id:
+                    return gpu.index, ci.mig_index
+        raise KeyError(device_id)
+
+    def _gpus_of(self, s: Session) -> list[int]:
+        return [self._locate(d)[0] for d in s.allocations.get(SHARES, {})]
+
+    def _free_gpu(self, avoid: tuple[int, ...]) -> int:
+        """A whole GPU, preferring the least loaded, not in ``avoid`` and not the one planted to fail."""
+        candidates = [i for i in self._shares_gpus[:-1] if i not in avoid] or self._shares_gpus[:1]
+        load = {i: sum(Decimal(str(a)) for s in self.sessions.values() for d, a in s.allocations.get(SHARES, {}).items()
+                       if d == self.device_id(i)) for i in candidates}
+        return min(candidates, key=lambda i: (load[i], i))
+
+    def _all_processes(self) -> list[GpuProcess]:
+        return [p for s in self.sessions.values() for p in s.processes] + self.host_processes
+
+    def _sync_processes(self) -> None:
+        """NVML's process lists from the processes that run now."""
+        per_gpu: dict[int, list[tuple[int, int]]] = {g.index: [] for g in self.machine.gpus}
+        per_mig: dict[tuple[int, int], list[tuple[int, int]]] = {(g, m): [] for g, m, _ in self._mig_devices()}
+        for p in self._all_processes():
+            if p.gpu in self._lost:
+                continue
+            if p.mig is None:
+                per_gpu[p.gpu].append((p.pid, p.memory))
+            else:
+                per_mig[(p.gpu, p.mig)].append((p.pid, p.memory))
+        for gpu, procs in per_gpu.items():
+            if not self.machine.gpus[gpu].mig_current:
+                self.machine.set_processes(gpu, procs)
+        for (gpu, mig), procs in per_mig.items():
+            self.machine.set_processes(gpu, procs, mig_index=mig)
+            self.machine.set_mig_memory(gpu, mig, sum(m for _, m in procs))
+
+    def _animate(self) -> None:
+        """Utilisation, memory, power, temperature and clocks of every GPU from what runs on it."""
+        t = self.now()
+        procs = [p for p in self._all_processes() if p.gpu not in self._lost]
+        for gpu in self.machine.gpus:
+            if gpu.index in self._lost:
+                continue
+            mine = [p for p in procs if p.gpu == gpu.index and p.mig is None]
+            sm = {p.pid: _sm_percent(p, t) for p in mine}
+            busy = min(100, sum(sm.values()))
+            if gpu.mig_current:
+                busy = min(100, 35 * len([p for p in procs if p.gpu == gpu.index]))
+            hot = gpu.index in self._throttled
+            power = min(gpu.power_limit_mw, 52_000 + 3_300 * busy)
+            reasons = 0x1 if not busy else (0x4 if power >= gpu.power_limit_mw * 0.97 else 0x0)
+            self.machine.update(
+                gpu.index,
+                util_gpu=0 if gpu.mig_current else busy,
+                util_memory=0 if gpu.mig_current else busy * 55 // 100,
+                memory_used=sum(p.memory for p in mine) or 4 * MIB,  # a driver context when nothing runs
+                process_sm=sm,
+                power_mw=power,
+                temperature=88 if hot else 31 + busy * 40 // 100,
+                sm_clock=1095 if hot else (1410 if busy else 210),
+                clocks_event=(reasons & ~0x1) | 0x20 if hot else reasons,
+            )
+
+    # -- planted events -------------------------------------------------------------------------
+
+    def _breach(self, s: Session, gpu: int) -> None:
+        if s.kernel_id not in self.sessions or not s.running:
+            return
+        pid = next(self._pids)
+        self.host.spawn(pid, "python3", started=self.now(), container_id=s.container_id, scratch_dir=self.scratch / s.kernel_id)
+        s.processes.append(GpuProcess(pid, gpu, None, 2 * GIB, "breach"))
+        self._sync_processes()
+
+    def _end_breach(self, s: Session) -> None:
+        for p in [p for p in s.processes if p.kind == "breach"]:
+            s.processes.remove(p)
+            self.host.exit(p.pid)
+        self._sync_processes()
+
+    def _ecc(self, gpu: int, count: int) -> None:
+        self.machine.update(gpu, ecc_corrected=self.machine.gpus[gpu].ecc_corrected + count)
+
+    def _remap(self, gpu: int) -> None:
+        correctable, uncorrectable, _, failure = self.machine.gpus[gpu].remapped_rows or (0, 0, 0, 0)
+        self.machine.update(gpu, remapped_rows=(correctable + 1, uncorrectable, 1, failure),
+                            ecc_corrected=self.machine.gpus[gpu].ecc_corrected + 16)
+        self.machine.push_xid(gpu, 63)
+
+    def _throttle(self, gpu: int, on: bool) -> None:
+        (self._throttled.add if on else self._throttled.discard)(gpu)
+        self._animate()
+
+    def _fall_off(self, gpu: int) -> None:
+        self.machine.push_xid(gpu, 79)
+        self.machine.lose(gpu)
+        self._lost.add(gpu)
+        for s in self.sessions.values():  # CUDA calls fail: the processes on it die
+            for p in [p for p in s.processes if p.gpu == gpu]:
+                s.processes.remove(p)
+                self.host.exit(p.pid)
+        for p in [p for p in self.host_processes if p.gpu == gpu]:
+            self.host_processes.remove(p)
+            self.host.exit(p.pid)
+        self._sync_processes()
+
+    def _recover(self, gpu: int) -> None:
+        self._lost.discard(gpu)
+        self.machine.recover(gpu)
+        self._sync_processes()
+        self._animate()
+
+    def _remove_out_of_band(self, s: Session) -> None:
+        if s.kernel_id not in self.sessions:
+            return
+        s.planted = "stale"
+        s.processes.clear()
+        self.host.remove_container(s.container_id)
+        s.running = False
+        s.ends = None
+        self._sync_processes()
+
+    def _sweep(self) -> None:
+        # Fill each GPU to within 0.3-0.45 shares of its capacity, one EVENLY placement at a time.
+        for _ in range(3 * len(self._shares_gpus)):
+            roomy = [d for d in self._free(SHARES) if d.free >= Decimal("0.5")]
+            if not roomy:
+                break
+            target = min(roomy, key=lambda d: d.free)
+            amount = target.free - Decimal("0.3") - Decimal(self._rng.randrange(0, 16)) / 100
+            s = self._launch("training", {SHARES: amount}, instant=True)
+            if s is None:
+                break
+            self._sweeping.append(s)
+
+    def _end_sweep(self) -> None:
+        for s in self._sweeping:
+            self._terminate(s)
+        self._sweeping.clear()
+
+    def _half_written(self) -> None:
+        # The agent gave up on it: it holds nothing in the agent's own map ("stale" for _free).
+        self._launch("notebook", {SHARES: Decimal(1)}, planted="stale", half_written=True)
+
+
+def _sm_percent(p: GpuProcess, t: float) -> int:
+    """SM utilisation of one process at demo time ``t``, in percent."""
+    phase = (p.pid % 97) / 97
+    if p.kind == "training":
+        return int(86 + 10 * math.sin(2 * math.pi * (t / 180 + phase)))
+    if p.kind == "batch":
+        return int(60 + 25 * math.sin(2 * math.pi * (t / 240 + phase)))
+    if p.kind == "inference":  # bursts of requests
+        return 62 if (t / 40 + phase) % 1 < 0.35 else 3
+    if p.kind == "breach":
+        return 30
+    if p.kind == "host":
+        return int(45 + 40 * math.sin(2 * math.pi * (t / 90 + phase)))
+    return 0  # a notebook holding memory between cells
+
+
+def _size(nbytes: Decimal) -> str:
+    """A BinarySize as the agent writes it (``10.12g``)."""
+    gib = nbytes / GIB
+    return f"{gib:.2f}".rstrip("0").rstrip(".") + "g"
+
+
+def _mmss(seconds: float) -> str:
+    return f"+{int(seconds) // 60}:{int(seconds) % 60:02d}"
