@@ -119,7 +119,9 @@ def inventory_from_snapshot(snapshot: TelemetrySnapshot | None, resolver: Device
     for reading in snapshot.devices:
         device_id = resolver.label(reading)
         if not reading.mig_mode_current:
-            gpus.append(GpuInventory(device_id, reading.memory_total_bytes, reading.multiprocessor_count))
+            # The plugin sizes shares from the memory CUDA reports; NVML's total where CUDA is silent.
+            memory = reading.allocatable_memory_bytes or reading.memory_total_bytes
+            gpus.append(GpuInventory(device_id, memory, reading.multiprocessor_count))
             continue
         migs += [
             MigInstanceDevice(resolver.label(m), f"cuda.device:{m.profile}-mig")
