@@ -23,6 +23,7 @@ from decimal import ROUND_DOWN, Decimal
 
 __all__ = [
     "CAPACITY_PRECISION",
+    "OPEN_PLUGIN_DEVICE_SLOTS",
     "DEFAULT_QUANTUM",
     "DEFAULT_UNIT_MEM_BYTES",
     "DEFAULT_UNIT_PROC",
@@ -44,6 +45,27 @@ CAPACITY_PRECISION = Decimal("0.01")  # the plugin quantizes a device's shares d
 # Both spellings of a MIG slot: the code's ``cuda.device:<profile>-mig`` and the docs'
 # ``cuda.mig-<profile>`` (backendai-scratch.md §7).
 _MIG_SLOT = re.compile(r"^[a-z0-9_-]+\.(?:device:(?P<a>.+)-mig|mig-(?P<b>.+))$")
+
+
+# Whole-device slots of Backend.AI's open accelerator plugins (25.19+); each device holds 1, every
+# plugin makes its own slot exclusive, and device ids are the plugin's (rocm: the GPU's serial
+# number; ipu: the Graphcore id; atom*: rbln<N> or a serial; the rest: indices).
+OPEN_PLUGIN_DEVICE_SLOTS = (
+    "cuda.device",
+    "rocm.device",
+    "tpu.device",
+    "ipu.device",
+    "atom.device",
+    "atom-plus.device",
+    "atom-max.device",
+    "gaudi.device",
+    "gaudi2.device",
+    "gaudi3.device",
+    "warboy.device",
+    "rngd.device",
+    "tt-n300.device",
+    "hyperaccel-lpu.device",
+)
 
 
 def is_mig_slot(slot: str) -> bool:
