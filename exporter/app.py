@@ -128,7 +128,7 @@ class Exporter:
                            process_detail=settings.attribution_process_detail),
             clock,
         )
-        self.routes = Routes(self, [str(r) for r in settings.scratch_roots])
+        self.routes = Routes(self, [str(r) for r in settings.scratch_roots], settings.alloc_map_format)
 
     # -- lifecycle -----------------------------------------------------------------------------
 

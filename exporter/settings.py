@@ -132,6 +132,11 @@ class Settings(BaseSettings):
         default=[], description="DEVICE_ID=SHARES capacity override; repeatable",
         json_schema_extra=_flag("--capacity.override", repeat=True),
     )
+    alloc_map_format: Literal["absolute", "ratio"] = Field(
+        default="absolute",
+        description="default form of /api/v1/alloc-map: absolute (agents before 26.4.8) or ratio (26.4.8+, 26.8.x)",
+        json_schema_extra=_flag("--alloc-map.format"),
+    )
     headroom_mode: Literal["auto", "fractional", "discrete"] = Field(
         default="auto", description="whether whole GPUs are handed out as cuda.shares or cuda.device",
         json_schema_extra=_flag("--headroom.mode"),

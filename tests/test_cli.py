@@ -15,7 +15,7 @@ from decimal import Decimal
 from pathlib import Path
 
 import pytest
-from backendai_reference import scan_gpu_alloc_map
+from backendai_reference import WITH_CUDA_MEM, scan_gpu_alloc_map
 from helpers import wait_for
 
 from exporter.cli import main
@@ -75,12 +75,12 @@ def test_serve_end_to_end_matches_backendai_and_follows_live_changes(scratch: Pa
         assert ex.get("/-/healthy")[0] == 200
         status, body, _ = ex.get("/api/v1/alloc-map")
         texts = [s.read_text() for s in SAMPLES]
-        assert status == 200 and json.loads(body) == scan_gpu_alloc_map(texts)
+        assert status == 200 and json.loads(body) == scan_gpu_alloc_map(texts, WITH_CUDA_MEM)
 
         write_kernel(scratch, "new-kernel", {"cuda.shares": {"GPU-c59395cd-ac91-4cd3-a1b0-3d2568aa2d04": Decimal("0.25")}})
         wait_for(lambda: json.loads(ex.get("/api/v1/alloc-map")[1]).get("GPU-c59395cd-ac91-4cd3-a1b0-3d2568aa2d04") == "0.58")
         shutil.rmtree(scratch / "new-kernel")
-        wait_for(lambda: json.loads(ex.get("/api/v1/alloc-map")[1]) == scan_gpu_alloc_map(texts))
+        wait_for(lambda: json.loads(ex.get("/api/v1/alloc-map")[1]) == scan_gpu_alloc_map(texts, WITH_CUDA_MEM))
 
         status, body, headers = ex.get("/metrics")
         assert status == 200 and headers["Content-Type"].startswith("text/plain; version=0.0.4")
@@ -94,7 +94,7 @@ def test_serve_end_to_end_matches_backendai_and_follows_live_changes(scratch: Pa
         assert _gz.decompress(gz) == ex.get("/metrics")[1]
 
         state = json.loads(ex.get("/api/v1/state")[1])
-        assert len(state["kernels"]) == 13 and state["alloc_map"] == scan_gpu_alloc_map(texts)
+        assert len(state["kernels"]) == 13 and state["alloc_map"] == scan_gpu_alloc_map(texts, WITH_CUDA_MEM)
         assert all("MOUNTS" not in json.dumps(k) for k in state["kernels"])
         assert ex.get("/nope")[0] == 404
     finally:
@@ -176,7 +176,7 @@ def test_scan_prints_a_table_and_json(scratch: Path, capsys) -> None:
     assert "GPU-c59395cd-ac91-4cd3-a1b0-3d2568aa2d07" in out and "kernels: ok 13" in out
     assert main(["scan", "--scratch.root", str(scratch), "--output", "json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["alloc_map"] == scan_gpu_alloc_map([s.read_text() for s in SAMPLES])
+    assert doc["alloc_map"] == scan_gpu_alloc_map([s.read_text() for s in SAMPLES], WITH_CUDA_MEM)
 
 
 def _run_demo(*args: str) -> tuple[list[str], dict, dict, str]:

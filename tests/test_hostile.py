@@ -67,7 +67,9 @@ def install(case: Path, root: Path, outside: Path) -> str:
     kdir = root / kid
     res = kdir / "config" / "resource.txt"
     if gen is None:
-        shutil.copytree(case / "config", kdir / "config")
+        # Fresh mtimes: a cut-off case stands for a file the agent is writing right now (once it
+        # has settled, an unterminated last line is read as the agent reads it).
+        shutil.copytree(case / "config", kdir / "config", copy_function=shutil.copyfile)
     elif gen == "sparse-1g":
         res.parent.mkdir(parents=True)
         with open(res, "wb") as f:

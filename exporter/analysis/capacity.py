@@ -23,11 +23,13 @@ from decimal import ROUND_DOWN, Decimal
 
 __all__ = [
     "CAPACITY_PRECISION",
+    "OPEN_PLUGIN_DEVICE_SLOTS",
     "DEFAULT_QUANTUM",
     "DEFAULT_UNIT_MEM_BYTES",
     "DEFAULT_UNIT_PROC",
     "CapacityConfig",
     "GpuInventory",
+    "agent_slot_total",
     "device_capacity",
     "fractional_capacity",
     "is_device_slot",
@@ -44,6 +46,27 @@ CAPACITY_PRECISION = Decimal("0.01")  # the plugin quantizes a device's shares d
 # Both spellings of a MIG slot: the code's ``cuda.device:<profile>-mig`` and the docs'
 # ``cuda.mig-<profile>`` (backendai-scratch.md §7).
 _MIG_SLOT = re.compile(r"^[a-z0-9_-]+\.(?:device:(?P<a>.+)-mig|mig-(?P<b>.+))$")
+
+
+# Whole-device slots of Backend.AI's open accelerator plugins (25.19+); each device holds 1, every
+# plugin makes its own slot exclusive, and device ids are the plugin's (rocm: the GPU's serial
+# number; ipu: the Graphcore id; atom*: rbln<N> or a serial; the rest: indices).
+OPEN_PLUGIN_DEVICE_SLOTS = (
+    "cuda.device",
+    "rocm.device",
+    "tpu.device",
+    "ipu.device",
+    "atom.device",
+    "atom-plus.device",
+    "atom-max.device",
+    "gaudi.device",
+    "gaudi2.device",
+    "gaudi3.device",
+    "warboy.device",
+    "rngd.device",
+    "tt-n300.device",
+    "hyperaccel-lpu.device",
+)
 
 
 def is_mig_slot(slot: str) -> bool:
@@ -143,3 +166,42 @@ def device_capacity(
     if inventory is None or inventory.memory_total_bytes is None or inventory.multiprocessor_count is None:
         return None
     return fractional_capacity(inventory.memory_total_bytes, inventory.multiprocessor_count, config)
+
+
+def agent_slot_total(
+    mode: str,
+    slot: str,
+    node_total: Decimal,
+    agents: int,
+    agent_index: int,
+    manual: Decimal | None = None,
+) -> Decimal:
+    """How much of a slot one agent of a multi-agent host offers the scheduler (``[resource]
+    allocation-mode``; ``resources.py`` ``_calculate_device_slot``).
+
+    Each agent still builds its own full allocation map, so every device keeps its whole capacity
+    per agent (and agents in ``shared`` mode can allocate one device twice over); what the mode
+    splits is the slot total the agent reports:
+
+    * ``shared``: the node's total;
+    * ``auto-split``: a fractional slot's total divided by the number of agents; a whole-device
+      slot's ``divmod`` share, the remainder going one each to the first agents;
+    * ``manual``: the amount configured for the agent (``[resource.allocations]`` /
+      ``[agents.resource]``).
+
+    :param node_total: the slot's total over the node's devices (after the reserved cores/memory).
+    :param agent_index: the agent's position in ``[[agents]]`` (0-based).
+    :raises ValueError: an unknown mode, or ``manual`` without an amount.
+    """
+    if mode == "shared" or agents <= 1:
+        return node_total
+    if mode == "auto-split":
+        if is_fractional_slot(slot):
+            return node_total / agents
+        share, extra = divmod(node_total, agents)
+        return share + (1 if agent_index < extra else 0)
+    if mode == "manual":
+        if manual is None:
+            raise ValueError(f"manual allocation mode without an amount for {slot}")
+        return manual
+    raise ValueError(f"unknown allocation mode {mode!r}")

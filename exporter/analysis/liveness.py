@@ -15,6 +15,17 @@ running container has a directory:
 sees. :func:`classify` is pure and never says "stale" on a guess: when the tree does not show the
 host's containers (a private cgroup namespace) the answer is "unknown". A container between
 ``docker create`` and ``start`` has no cgroup yet, so a kernel younger than the grace age is live.
+
+Liveness by backend (the scratch root's agent, from agent.toml):
+
+* Docker: the last ``CID=`` against the cgroup tree, as above.
+* Kubernetes: the backend never writes ``CID=``; a complete file without one is normal. The pod's
+  cgroup (``kubepods…/pod<uid>``) is the signal where the caller can tie the kernel to its pod
+  (``pod_running``); otherwise the answer is "unknown".
+* Any backend, a complete file without ``CID=``: a ``recovery.json`` naming one of this host's
+  agents (the agent rewrites it for every kernel in its registry) makes it live; without a real
+  signal it is "unknown" (``no-container-id``), never stale: a missing ``CID=`` is not evidence
+  that the container is gone.
 """
 
 from __future__ import annotations
@@ -56,8 +67,9 @@ class Liveness(str, Enum):
 
 @dataclass(frozen=True, slots=True)
 class KernelLiveness:
-    """A verdict and why: live ``container-running`` / ``starting``; stale ``container-gone`` /
-    ``pending-too-long`` / ``no-container-id``; unknown ``cgroup-not-visible``."""
+    """A verdict and why: live ``container-running`` / ``pod-running`` / ``in-agent-registry`` /
+    ``starting``; stale ``container-gone`` / ``pod-gone`` / ``pending-too-long``; unknown
+    ``cgroup-not-visible`` / ``no-container-id``."""
 
     status: Liveness
     reason: str
@@ -115,12 +127,24 @@ def _walk(directory: Path, depth: int) -> set[str]:
     return ids
 
 
-def classify(kernel: Kernel, scan: CgroupScan, now: float, grace_seconds: float) -> KernelLiveness:
+def classify(
+    kernel: Kernel,
+    scan: CgroupScan,
+    now: float,
+    grace_seconds: float,
+    *,
+    pod_running: bool | None = None,
+    recovery_agent_id: str | None = None,
+    host_agents: frozenset[str] = frozenset(),
+) -> KernelLiveness:
     """Judge one kernel.
 
     :param now: unix time in seconds (injected clock).
     :param grace_seconds: how long a kernel may stay pending, or run without a visible container,
         before it counts as stale.
+    :param pod_running: Kubernetes: whether the kernel's pod has a cgroup (None: not known).
+    :param recovery_agent_id: the agent its ``recovery.json`` names, if any.
+    :param host_agents: the agent ids of this host.
     """
     young = now - kernel.since <= grace_seconds
     if kernel.state is KernelState.PENDING:
@@ -129,7 +153,13 @@ def classify(kernel: Kernel, scan: CgroupScan, now: float, grace_seconds: float)
         )
     cid = (kernel.container_id or "").lower()
     if not cid:
-        return KernelLiveness(Liveness.LIVE, "starting") if young else KernelLiveness(Liveness.STALE, "no-container-id")
+        if pod_running is not None and scan.visible:
+            if pod_running:
+                return KernelLiveness(Liveness.LIVE, "pod-running")
+            return KernelLiveness(Liveness.LIVE, "starting") if young else KernelLiveness(Liveness.STALE, "pod-gone")
+        if recovery_agent_id is not None and recovery_agent_id in host_agents:
+            return KernelLiveness(Liveness.LIVE, "in-agent-registry")
+        return KernelLiveness(Liveness.LIVE, "starting") if young else KernelLiveness(Liveness.UNKNOWN, "no-container-id")
     if not scan.visible:
         return KernelLiveness(Liveness.UNKNOWN, "cgroup-not-visible")
     if cid in scan.container_ids or (len(cid) < 64 and any(c.startswith(cid) for c in scan.container_ids)):
@@ -140,7 +170,25 @@ def classify(kernel: Kernel, scan: CgroupScan, now: float, grace_seconds: float)
 
 
 def classify_kernels(
-    kernels: Mapping[str, Kernel], scan: CgroupScan, now: float, grace_seconds: float
+    kernels: Mapping[str, Kernel],
+    scan: CgroupScan,
+    now: float,
+    grace_seconds: float,
+    *,
+    pods: Mapping[str, bool] | None = None,
+    recovery_agents: Mapping[str, str] | None = None,
+    host_agents: frozenset[str] = frozenset(),
 ) -> dict[str, KernelLiveness]:
-    """:func:`classify` for every kernel of a view (``AllocationView.kernels``)."""
-    return {kid: classify(k, scan, now, grace_seconds) for kid, k in kernels.items()}
+    """:func:`classify` for every kernel of a view (``AllocationView.kernels``).
+
+    :param pods: kernel id → whether its pod runs (Kubernetes kernels the caller could tie to a pod).
+    :param recovery_agents: kernel id → the agent id its ``recovery.json`` names.
+    """
+    pods, recovery_agents = pods or {}, recovery_agents or {}
+    return {
+        kid: classify(
+            k, scan, now, grace_seconds,
+            pod_running=pods.get(kid), recovery_agent_id=recovery_agents.get(kid), host_agents=host_agents,
+        )
+        for kid, k in kernels.items()
+    }

@@ -103,11 +103,14 @@ class MigLayout:
 
 @dataclass(frozen=True)
 class Inventory:
-    """Allocatable devices: whole GPUs (MIG off), MIG devices, and MIG layouts of MIG GPUs."""
+    """Allocatable devices: whole GPUs (MIG off), MIG devices, MIG layouts of MIG GPUs, and the
+    whole devices of other plugins (``rocm.device``, ``tpu.device``, ``tt-n300.device`` ...) as
+    (slot, device id) pairs, which NVML cannot see: each holds 1, so a free one counts too."""
 
     gpus: tuple[GpuInventory, ...] = ()
     mig_devices: tuple[MigInstanceDevice, ...] = ()
     mig_layouts: tuple[MigLayout, ...] = ()
+    other_devices: tuple[tuple[str, str], ...] = ()
 
 
 def inventory_from_snapshot(snapshot: TelemetrySnapshot | None, resolver: DeviceResolver) -> Inventory:
@@ -119,7 +122,9 @@ def inventory_from_snapshot(snapshot: TelemetrySnapshot | None, resolver: Device
     for reading in snapshot.devices:
         device_id = resolver.label(reading)
         if not reading.mig_mode_current:
-            gpus.append(GpuInventory(device_id, reading.memory_total_bytes, reading.multiprocessor_count))
+            # The plugin sizes shares from the memory CUDA reports; NVML's total where CUDA is silent.
+            memory = reading.allocatable_memory_bytes or reading.memory_total_bytes
+            gpus.append(GpuInventory(device_id, memory, reading.multiprocessor_count))
             continue
         migs += [
             MigInstanceDevice(resolver.label(m), f"cuda.device:{m.profile}-mig")
@@ -252,6 +257,9 @@ def node_state(
     members[whole_gpu_slot] = [g.device_id for g in inventory.gpus]
     for m in inventory.mig_devices:
         members[m.slot].append(m.device_id)
+    for slot, device_id in inventory.other_devices:
+        if device_id not in members[slot]:
+            members[slot].append(device_id)
     for device_id, slot in sorted(view.device_totals):
         if device_id not in members[slot]:
             members[slot].append(device_id)

@@ -23,17 +23,25 @@ from types import MappingProxyType
 from exporter.scratch.resources import Allocation, Pending, ResourceParseError, ResourceSpec
 
 __all__ = [
+    "ALLOC_MAP_FORMATS",
     "FGPU_SLOTS",
+    "RATIO_PLACES",
     "AllocationBook",
     "AllocationView",
     "Kernel",
     "KernelState",
     "Outcome",
+    "absolute_alloc_map",
     "is_accelerator_slot",
+    "ratio_alloc_map",
 ]
 
 # Backend.AI's scan_gpu_alloc_map adds these two slots into one number per device id.
 FGPU_SLOTS = ("cuda.shares", "cuda.device")
+# The two meanings of gpu_alloc_map: before 26.4.8 the absolute sum of FGPU_SLOTS; from 26.4.8 /
+# 26.8.x on (lablup/backend.ai#14327) a 0-1 ratio of every cuda.* slot to its capacity.
+ALLOC_MAP_FORMATS = ("absolute", "ratio")
+RATIO_PLACES = Decimal("0.0001")  # the ratio form's quantum ("0.2500")
 
 Outcome = ResourceSpec | Pending | ResourceParseError
 """What reading one kernel's resource.txt gave."""
@@ -43,6 +51,42 @@ def is_accelerator_slot(slot: str) -> bool:
     """Accelerator slots are ``<plugin>.<kind>`` (``cuda.shares``, ``rocm.device``, MIG slots);
     the agent's intrinsic slots (``cpu``, ``mem``) have no dot."""
     return "." in slot
+
+
+def absolute_alloc_map(allocations: Iterable[Allocation]) -> dict[str, str]:
+    """``gpu_alloc_map`` as agents before 26.4.8 answer it: per device id, the exact sum of its
+    ``cuda.shares`` and ``cuda.device`` amounts, as ``str(Decimal)`` (``"0.60"``, ``"1"``).
+
+    Decimal addition is exact and keeps the smallest exponent, so the order of the terms (the
+    agent's completion order) cannot change the string.
+    """
+    totals: dict[str, Decimal] = {}
+    for a in allocations:
+        if a.slot in FGPU_SLOTS:
+            totals[a.device_id] = totals.get(a.device_id, Decimal(0)) + a.amount
+    return {d: str(v) for d, v in sorted(totals.items())}
+
+
+def ratio_alloc_map(
+    allocations: Iterable[Allocation], capacities: Mapping[tuple[str, str], Decimal]
+) -> dict[str, str]:
+    """``gpu_alloc_map`` as agents from 26.4.8 / 26.8.x on answer it (lablup/backend.ai#14327).
+
+    Per device id: the sum over every slot of the ``cuda`` device (``cuda.shares``,
+    ``cuda.device``, MIG slots) of the amount divided by that device's registered capacity for
+    the slot, or the raw amount where no positive capacity is known; quantized to 4 places
+    (``"0.2500"``; ROUND_HALF_EVEN, Decimal's default, as ``Decimal.quantize`` in the agent).
+
+    :param capacities: (slot, device id) → capacity in the slot's unit.
+    """
+    totals: dict[str, Decimal] = {}
+    for a in allocations:
+        if a.slot.split(".", 1)[0] != "cuda":
+            continue
+        capacity = capacities.get((a.slot, a.device_id))
+        share = a.amount / capacity if capacity is not None and capacity > 0 else a.amount
+        totals[a.device_id] = totals.get(a.device_id, Decimal(0)) + share
+    return {d: str(v.quantize(RATIO_PLACES)) for d, v in sorted(totals.items())}
 
 
 class KernelState(str, Enum):
@@ -91,6 +135,14 @@ class AllocationView:
 
     def device_ids(self) -> frozenset[str]:
         return frozenset(d for d, _ in self.device_totals)
+
+    def alloc_map_ratio(self, capacities: Mapping[tuple[str, str], Decimal]) -> dict[str, str]:
+        """The #14327 form of :attr:`alloc_map` over every kernel (see :func:`ratio_alloc_map`)."""
+        # Division distributes over the per-kernel sum, so the running totals give the same ratios.
+        return ratio_alloc_map(
+            (Allocation(slot, device_id, amount) for (device_id, slot), amount in self.device_totals.items()),
+            capacities,
+        )
 
 
 class _Totals:

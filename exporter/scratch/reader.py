@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from exporter.scratch.allocation import AllocationBook, KernelState
-from exporter.scratch.resources import Pending, ResourceParseError, parse_resource
+from exporter.scratch.resources import UNTERMINATED, Pending, ResourceParseError, parse_resource
 
 __all__ = ["RESOURCE_FILE", "ScanStats", "Scanner", "is_kernel_name", "read_kernel"]
 
@@ -45,16 +45,29 @@ def is_kernel_name(name: str) -> bool:
     return True
 
 
-def read_kernel(root: str, kernel_id: str, max_bytes: int = DEFAULT_MAX_BYTES):
+DEFAULT_SETTLE_SECONDS = 5.0  # a file nobody modified for this long is no longer being written
+
+
+def read_kernel(
+    root: str,
+    kernel_id: str,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    *,
+    closed: bool = False,
+    settled_before: float | None = None,
+):
     """Read and parse one kernel's resource.txt.
 
+    :param closed: the writer is known to have closed the file (an ``IN_CLOSE_WRITE`` event).
+    :param settled_before: unix time; a file last modified before it counts as closed too, so an
+        unterminated last line is read instead of staying pending forever.
     :returns: a ``ResourceSpec``, a ``Pending``, a ``ResourceParseError``, or None when the kernel
         directory itself is gone.
     """
     kdir = os.path.join(root, kernel_id)
     path = os.path.join(kdir, RESOURCE_FILE)
     try:
-        data = _read_bounded(root, kernel_id, max_bytes)
+        data, mtime = _read_bounded(root, kernel_id, max_bytes)
     except FileNotFoundError:
         if not os.path.isdir(kdir):
             return None
@@ -69,8 +82,9 @@ def read_kernel(root: str, kernel_id: str, max_bytes: int = DEFAULT_MAX_BYTES):
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         return ResourceParseError(path, None, f"not UTF-8 text (byte {exc.start})")
+    closed = closed or (settled_before is not None and mtime < settled_before)
     try:
-        return parse_resource(text, path)
+        return parse_resource(text, path, closed=closed)
     except ResourceParseError as exc:
         return exc
     except Exception as exc:  # a parser bug must cost one kernel, never the scan
@@ -112,7 +126,8 @@ def _open_resource(root: str, kernel_id: str) -> int:
             os.close(fd)
 
 
-def _read_bounded(root: str, kernel_id: str, max_bytes: int) -> bytes:
+def _read_bounded(root: str, kernel_id: str, max_bytes: int) -> tuple[bytes, float]:
+    """The file's bytes and its mtime (unix seconds) as of the open."""
     fd = _open_resource(root, kernel_id)
     try:
         st = os.fstat(fd)
@@ -132,7 +147,7 @@ def _read_bounded(root: str, kernel_id: str, max_bytes: int) -> bytes:
         os.close(fd)
     if len(data) > max_bytes:  # grew while we read
         raise _Refused(f"file is over the {max_bytes}-byte limit")
-    return data
+    return data, st.st_mtime
 
 
 def list_kernels(root: str) -> Iterator[str]:
@@ -164,10 +179,14 @@ class Scanner:
         book: AllocationBook,
         max_bytes: int = DEFAULT_MAX_BYTES,
         monotonic: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = time.time,
+        settle_seconds: float = DEFAULT_SETTLE_SECONDS,
     ) -> None:
         self.book = book
         self.max_bytes = max_bytes
         self._monotonic = monotonic
+        self._clock = clock
+        self._settle = settle_seconds
         # kernel_id -> (st_dev, st_ino, st_size, st_mtime_ns) of resource.txt when last read;
         # a safety-net rescan re-reads only files whose signature changed.
         self._seen: dict[str, tuple[int, int, int, int] | None] = {}
@@ -175,18 +194,24 @@ class Scanner:
         # older read from landing after a newer one.
         self._lock = threading.Lock()
 
-    def refresh(self, root: str, kernel_id: str, force: bool = True) -> None:
+    def refresh(self, root: str, kernel_id: str, force: bool = True, closed: bool = False) -> None:
         """Re-read one kernel (or forget it if its directory is gone).
 
         :param force: read even if the file's size, mtime and inode look unchanged. Events force;
             rescans don't, so a 10,000-kernel rescan costs stats, not reads.
+        :param closed: the writer has just closed the file (``IN_CLOSE_WRITE``).
         """
         with self._lock:
             sig = _signature(os.path.join(root, kernel_id, RESOURCE_FILE))
             if not force and sig is not None and self._seen.get(kernel_id) == sig:
                 return
             self._seen[kernel_id] = sig
-            outcome = read_kernel(root, kernel_id, self.max_bytes)
+            outcome = read_kernel(
+                root, kernel_id, self.max_bytes, closed=closed, settled_before=self._clock() - self._settle
+            )
+            if isinstance(outcome, Pending) and outcome.reason == UNTERMINATED:
+                # Unchanged, it is still read again on the next rescan: by then it has settled.
+                self._seen[kernel_id] = None
             if outcome is None:
                 self._seen.pop(kernel_id, None)
                 if self.book.remove(kernel_id):

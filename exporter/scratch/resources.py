@@ -12,16 +12,25 @@ Every agent version since 22.03 writes the same ``KEY=VALUE`` lines, in varying 
     MEM_SHARES=root:16g              # BinarySize for bytes slots
     CUDA_GLOBAL_DEVICE_IDS=...        # plugin lines: ignored
 
-Keys are read by name; later duplicates win (so the last ``CID`` wins), as upstream's
-``KernelResourceSpec.read_from_string`` does. Every ``*_SHARES`` key is a slot
-(``key[:-7].lower()``), so slots nobody has seen before need no code change.
+Lines are read as the newest agent's ``KernelResourceSpec.read_from_string`` reads them: each
+line is stripped, a line without ``=`` is ignored, the key is everything before the first ``=``
+(so ``KEY =value`` is another key, and ignored), and later duplicates win (so the last ``CID``
+wins). Every ``*_SHARES`` key is a slot (``key[:-7].lower()``, spaces inside kept), so slots
+nobody has seen before need no code change; slot names compare case-insensitively. Device ids are
+kept exactly as written, a leading space included (``a:0.5, b:0.5`` names `` b``), as the agent
+keeps them. A ``null`` value in ``SLOTS`` is skipped.
 
 The agent writes the file in place (truncate, then write), so a reader can see a prefix of it.
-A file missing ``SCRATCH_SIZE``, ``MOUNTS`` or ``SLOTS``, one whose last line is not yet
-terminated, or one whose ``SLOTS`` asks for an accelerator slot with no ``_SHARES`` line yet is
-*pending*, not malformed. Anything else that upstream would choke on, or that would put nonsense
-into a metric (NaN, negative amounts, control characters in ids), is a :class:`ResourceParseError`
-naming the file, the line and the reason.
+A file missing ``SCRATCH_SIZE``, ``MOUNTS`` or ``SLOTS``, one whose ``SLOTS`` asks for an
+accelerator slot with no ``_SHARES`` line yet, or one whose last line is not yet terminated while
+the writer may still have it open, is *pending*, not malformed. Once the writer has closed the
+file (``closed=True``), an unterminated last line is read like any other, as the agent reads it.
+Anything that would put nonsense into a metric (NaN, negative amounts, control characters in
+ids) is a :class:`ResourceParseError` naming the file, the line and the reason.
+
+Some files this parser reads make the agent's own reader raise, and so stop the agent's
+``scan_gpu_alloc_map`` at that file: :attr:`ResourceSpec.agent_unreadable` says why
+(:data:`AGENT_UNREADABLE_REASONS`).
 """
 
 from __future__ import annotations
@@ -30,13 +39,17 @@ import json
 import re
 import sys
 from dataclasses import dataclass
-from decimal import Decimal
+from decimal import Decimal, InvalidOperation
 from enum import Enum
 from functools import lru_cache
+from pathlib import PurePosixPath
 
 from exporter.units import clip, parse_binary_size, parse_decimal
 
 __all__ = [
+    "AGENT_BYTES_SLOTS",
+    "AGENT_UNREADABLE_REASONS",
+    "UNTERMINATED",
     "Allocation",
     "Pending",
     "ResourceParseError",
@@ -47,9 +60,22 @@ __all__ = [
 ]
 
 REQUIRED_KEYS = ("SCRATCH_SIZE", "MOUNTS", "SLOTS")
+UNTERMINATED = "last line not yet terminated"  # the Pending reason of a file cut mid-line
 _SHARES_SUFFIX = "_SHARES"
-# Device ids reach metric labels and logs; a control character there is never legitimate.
-_BAD_ID = re.compile(r"[\x00-\x1f\x7f\s]")
+# Device ids and slot names reach metric labels and logs; a control character there is never
+# legitimate. A plain space is kept, as the agent keeps it; any other whitespace is refused.
+_BAD_ID = re.compile(r"[\x00-\x1f\x7f]|[^\S ]")
+# Slots the newest open-source agent registers as ``bytes`` (the intrinsic ``mem``); any other
+# slot is read with ``Decimal()``, which refuses a BinarySize such as ``10g``.
+AGENT_BYTES_SLOTS = frozenset({"mem"})
+AGENT_UNREADABLE_REASONS = {
+    "mounts": "a MOUNTS entry the agent's Mount.from_str rejects (not source:target:perm)",
+    "scratch-size": "SCRATCH_SIZE is not a finite BinarySize",
+    "slots-value": "a SLOTS value that is not a plain decimal (a BinarySize string such as 1g)",
+    "shares-amount": "a _SHARES amount with a size suffix in a slot the agent does not register as bytes",
+}
+"""Why the agent's own reader raises on a file this parser reads (``ResourceSpec.agent_unreadable``)."""
+_MOUNT_PERMS = frozenset({"ro", "rw", "wd"})
 
 
 class SlotKind(str, Enum):
@@ -79,8 +105,10 @@ class ResourceSpec:
 
     allocations: tuple[Allocation, ...]
     requested: tuple[tuple[str, Decimal], ...]  # the SLOTS object, in file order
-    container_id: str | None  # the last CID= line; None before the agent appends one
+    container_id: str | None  # the last CID= line; None before the agent appends one (and always on Kubernetes)
     unified_devices: tuple[tuple[str, str], ...] = ()
+    # Keys of AGENT_UNREADABLE_REASONS: why the agent's own reader would raise on this file.
+    agent_unreadable: tuple[str, ...] = ()
 
     def slots(self) -> frozenset[str]:
         return frozenset(a.slot for a in self.allocations)
@@ -130,31 +158,38 @@ def _parse_amount(is_bytes: bool, text: str) -> Decimal:
             raise exc from None
 
 
-def parse_resource(text: str, source: str = "<resource.txt>") -> ResourceSpec | Pending:
+def parse_resource(
+    text: str,
+    source: str = "<resource.txt>",
+    *,
+    closed: bool = False,
+    agent_bytes_slots: frozenset[str] = AGENT_BYTES_SLOTS,
+) -> ResourceSpec | Pending:
     """Parse the text of one ``resource.txt``.
 
     :param text: the file's content, already decoded.
     :param source: the file's path, used only in error messages.
+    :param closed: the writer has closed the file (a close-after-write event was seen, or nothing
+        changed it for the settle time): an unterminated last line is then complete.
+    :param agent_bytes_slots: slots the agent on this node registers as ``bytes``; only used to
+        tell whether the agent's own reader would fail (``agent_unreadable``).
     :returns: a :class:`ResourceSpec`, or :class:`Pending` while the agent is still writing.
     :raises ResourceParseError: for a malformed file.
     """
     if "\x00" in text:
         raise ResourceParseError(source, None, "contains NUL bytes (binary data)")
     lines = text.split("\n")
-    # A file written in place can be cut anywhere; an unterminated last line may be half a line.
-    unterminated = lines.pop() if lines else ""
+    # A file written in place can be cut anywhere; an unterminated last line may be half a line,
+    # until the writer has closed the file.
+    unterminated = "" if closed else (lines.pop() if lines else "")
     values: dict[str, tuple[int, str]] = {}
     shares: dict[str, tuple[int, str]] = {}
     container_id: str | None = None
     for lineno, raw in enumerate(lines, start=1):
-        line = raw.rstrip("\r")
-        if not line.strip():
-            continue
-        key, sep, value = line.partition("=")
-        key = key.strip()
+        # The agent strips the whole line, then splits once on "=": "KEY =v" is the key "KEY ".
+        key, sep, value = raw.strip().partition("=")
         if not sep or not key:
-            # Never quote the line: it may be the tail of a MOUNTS host path (a path with a newline).
-            raise ResourceParseError(source, lineno, f"not a KEY=VALUE line ({len(line)} characters)")
+            continue  # the agent ignores lines without "=" (and an empty key names nothing)
         if key == "CID":
             container_id = value.strip() or None
         elif key.endswith(_SHARES_SUFFIX) and len(key) > len(_SHARES_SUFFIX):
@@ -166,24 +201,55 @@ def parse_resource(text: str, source: str = "<resource.txt>") -> ResourceSpec | 
     if missing:
         return Pending(f"missing {', '.join(missing)}", container_id)
     if unterminated.strip() and not unterminated.startswith("CID="):
-        return Pending("last line not yet terminated", container_id)
+        return Pending(UNTERMINATED, container_id)
 
-    requested = _parse_slots(source, *values["SLOTS"])
+    unreadable: list[str] = []
+    requested = _parse_slots(source, *values["SLOTS"], unreadable)
     unified = _parse_unified(source, *values["UNIFIED_DEVICES"]) if "UNIFIED_DEVICES" in values else ()
     allocations: list[Allocation] = []
     for slot, (lineno, value) in shares.items():
-        allocations.extend(_parse_shares(source, lineno, slot, value))
+        allocations.extend(_parse_shares(source, lineno, slot, value, agent_bytes_slots, unreadable))
+    if not _agent_reads_mounts(values["MOUNTS"][1]):
+        unreadable.append("mounts")
+    if not _agent_reads_scratch_size(values["SCRATCH_SIZE"][1]):
+        unreadable.append("scratch-size")
 
     # SLOTS is written before the _SHARES lines: a requested accelerator slot without its line
     # means the writer has not got there yet. Unified devices have no _SHARES line by design.
-    unified_slots = {slot for _, slot in unified}
+    # Slot names compare case-insensitively, as the agent lower-cases the _SHARES key.
+    unified_slots = {slot.lower() for _, slot in unified}
     for slot, amount in requested:
-        if amount and "." in slot and slot not in shares and slot not in unified_slots:
+        folded = slot.lower()
+        if amount and "." in slot and folded not in shares and folded not in unified_slots:
             return Pending(f"SLOTS requests {slot} but no {slot.upper()}{_SHARES_SUFFIX} line yet", container_id)
-    return ResourceSpec(tuple(allocations), requested, container_id, unified)
+    return ResourceSpec(tuple(allocations), requested, container_id, unified, tuple(sorted(set(unreadable))))
 
 
-def _parse_slots(source: str, lineno: int, value: str) -> tuple[tuple[str, Decimal], ...]:
+def _agent_reads_mounts(value: str) -> bool:
+    """Whether every entry passes the agent's ``Mount.from_str`` (``source:target:perm``)."""
+    for entry in value.split(","):
+        if not entry:
+            continue
+        parts = entry.split(":")
+        if len(parts) != 3:
+            return False
+        source, target, perm = parts
+        if not source.startswith("/") and len(PurePosixPath(source).parts) != 1:
+            return False  # a relative source is a volume name: one path component only
+        if not target.startswith("/") or perm not in _MOUNT_PERMS:
+            return False
+    return True
+
+
+def _agent_reads_scratch_size(value: str) -> bool:
+    try:
+        parse_binary_size(value)
+    except ValueError:
+        return False
+    return True
+
+
+def _parse_slots(source: str, lineno: int, value: str, unreadable: list[str]) -> tuple[tuple[str, Decimal], ...]:
     try:
         obj = json.loads(value)
     except ValueError as exc:
@@ -194,13 +260,25 @@ def _parse_slots(source: str, lineno: int, value: str) -> tuple[tuple[str, Decim
         raise ResourceParseError(source, lineno, "SLOTS is not a JSON object")
     out = []
     for slot, amount in obj.items():
+        if amount is None:
+            continue  # ResourceSlot.from_json skips null values
         if not isinstance(amount, (str, int, float)) or isinstance(amount, bool):
-            raise ResourceParseError(source, lineno, f"SLOTS[{slot!r}] is not a number")
+            raise ResourceParseError(source, lineno, f"SLOTS[{clip(slot)!r}] is not a number")
         try:
             out.append((sys.intern(slot), _amount(slot, str(amount))))
         except ValueError as exc:
             raise ResourceParseError(source, lineno, f"SLOTS[{clip(slot)!r}]: {exc}") from None
+        if isinstance(amount, str) and not _is_plain_decimal(amount):
+            unreadable.append("slots-value")  # ResourceSlot.from_json does Decimal(value)
     return tuple(out)
+
+
+def _is_plain_decimal(text: str) -> bool:
+    try:
+        Decimal(text)
+    except InvalidOperation:
+        return False
+    return True
 
 
 def _parse_unified(source: str, lineno: int, value: str) -> tuple[tuple[str, str], ...]:
@@ -217,23 +295,29 @@ def _parse_unified(source: str, lineno: int, value: str) -> tuple[tuple[str, str
     return tuple((d, s) for d, s in obj)
 
 
-def _parse_shares(source: str, lineno: int, slot: str, value: str) -> list[Allocation]:
+def _parse_shares(
+    source: str, lineno: int, slot: str, value: str, agent_bytes_slots: frozenset[str], unreadable: list[str]
+) -> list[Allocation]:
     if _BAD_ID.search(slot):
         raise ResourceParseError(source, lineno, f"slot name {clip(slot)!r} contains whitespace or control characters")
     per_device: dict[str, Decimal] = {}
+    agent_counts = slot not in agent_bytes_slots
     for entry in value.split(","):
+        # The agent keeps the device id as written (a space after a comma stays in the id).
         device_id, _, amount = entry.partition(":")
-        device_id, amount = device_id.strip(), amount.strip()
         # Upstream skips entries with an empty side; so do we, so both read the same totals.
         if not device_id or not amount:
             continue
         if _BAD_ID.search(device_id):
             raise ResourceParseError(source, lineno, f"device id {clip(device_id)!r} contains whitespace or control characters")
+        amount = amount.strip()
         try:
             # A repeated device id overwrites, as upstream's dict assignment does. Ids repeat
             # across kernels ("0", "root", a GPU's uuid): intern them.
             per_device[sys.intern(device_id)] = _amount(slot, amount)
         except ValueError as exc:
             raise ResourceParseError(source, lineno, f"{slot} on {clip(device_id)!r}: {exc}") from None
+        if agent_counts and not _is_plain_decimal(amount):
+            unreadable.append("shares-amount")
     slot = sys.intern(slot)
     return [Allocation(slot, d, a) for d, a in per_device.items()]

@@ -449,7 +449,8 @@ class ScratchWatcher:
             self._arm_kernel(w.root, w.kernel_id)
             self.scanner.refresh(w.root, w.kernel_id)
         elif name == _RESOURCE_NAME:
-            self.scanner.refresh(w.root, w.kernel_id)
+            # After IN_CLOSE_WRITE the writer is done: an unterminated last line is complete.
+            self.scanner.refresh(w.root, w.kernel_id, closed=bool(mask & IN.IN_CLOSE_WRITE))
 
     def _on_overflow(self) -> None:
         with self._lock:

@@ -172,7 +172,12 @@ class DeviceReading:
     # pid -> SM utilisation 0-1, mean of the samples since the last reading (nvidia-smi pmon "sm");
     # a running process without samples was idle. None: not sampled (MIG-enabled or unsupported GPU).
     process_utilization: Mapping[int, float] | None = None
-    multiprocessor_count: int | None = None  # SMs; NVML reports it for MIG devices only
+    # SMs: NVML reports it for MIG devices only; for a whole GPU it comes from the CUDA driver
+    # (cuDeviceGetAttribute) or, failing that, a table of known models.
+    multiprocessor_count: int | None = None
+    # Bytes CUDA reports for the device (cuDeviceTotalMem, cudaDeviceProp.totalGlobalMem), which
+    # the fractional plugin divides into shares; a little less than memory.total. None: unknown.
+    allocatable_memory_bytes: int | None = None
     numa_node: int | None = None
 
 

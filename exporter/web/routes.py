@@ -12,7 +12,7 @@ from exporter import __version__
 from exporter.analysis.node import NodeState
 from exporter.analysis.placement import Policy
 from exporter.analysis.simulate import parse_request, result_document, simulate
-from exporter.scratch.allocation import AllocationBook, AllocationView, Kernel
+from exporter.scratch.allocation import ALLOC_MAP_FORMATS, AllocationBook, AllocationView, Kernel
 from exporter.scratch.watcher import ScratchWatcher
 from exporter.web.server import Request, Response, Route, Router
 
@@ -44,11 +44,13 @@ class Routes(Router):
 
     :param node: the node being served.
     :param roots: the scratch roots, as ``/api/v1/state`` names them.
+    :param alloc_map_format: what ``/api/v1/alloc-map`` answers without ``?format=``.
     """
 
-    def __init__(self, node: ServedNode, roots: list[str]) -> None:
+    def __init__(self, node: ServedNode, roots: list[str], alloc_map_format: str = "absolute") -> None:
         self._node = node
         self._roots = roots
+        self._alloc_map_format = alloc_map_format
         self._state_text = StateText()
         super().__init__({
             "/": Route(self._landing),
@@ -86,8 +88,17 @@ class Routes(Router):
     def _ready_route(self, _: Request) -> Response:
         return Response(200, b"OK\n") if self._node.ready else Response(503, b"first scan not finished\n")
 
-    def _alloc_map(self, _: Request) -> Response:
-        return _json(dict(self._node.book.view().alloc_map))
+    def _alloc_map(self, request: Request) -> Response:
+        # absolute: agents before 26.4.8; ratio: 26.4.8+ / 26.8.x (every cuda.* slot / capacity).
+        form = request.query.get("format", [self._alloc_map_format])[0]
+        view = self._node.book.view()
+        if form == "absolute":
+            return _json(dict(view.alloc_map))
+        if form == "ratio":
+            node = self._node.node_state()
+            capacities = {(slot, d.device_id): d.capacity for slot, rows in node.slots.items() for d in rows}
+            return _json(view.alloc_map_ratio(capacities))
+        return Response(400, f"format must be one of {', '.join(ALLOC_MAP_FORMATS)}\n".encode())
 
     def _state(self, _: Request) -> Response:
         return Response(200, self._state_text.render(self._node.book.view(), self._roots, self._node.node_state()), JSON)

@@ -81,7 +81,8 @@ HIDDEN = CgroupScan(False, frozenset(), "v2")
         (kernel(cid=CRIO, since=NOW - 10), VISIBLE, Liveness.LIVE, "starting"),  # created, not started yet
         (kernel(cid=CRIO), HIDDEN, Liveness.UNKNOWN, "cgroup-not-visible"),  # never guess
         (kernel(KernelState.INVALID, cid=CRIO), VISIBLE, Liveness.STALE, "container-gone"),  # last good spec
-        (kernel(cid=None), HIDDEN, Liveness.STALE, "no-container-id"),
+        (kernel(cid=None), HIDDEN, Liveness.UNKNOWN, "no-container-id"),  # Kubernetes writes no CID: never stale
+        (kernel(cid=None), VISIBLE, Liveness.UNKNOWN, "no-container-id"),
         (kernel(cid=None, since=NOW - 10), VISIBLE, Liveness.LIVE, "starting"),
         (kernel(KernelState.PENDING, cid=None), HIDDEN, Liveness.STALE, "pending-too-long"),
         (kernel(KernelState.PENDING, cid=None, since=NOW - GRACE), HIDDEN, Liveness.LIVE, "starting"),
@@ -97,3 +98,33 @@ def test_classify_kernels_against_a_fixture_tree() -> None:
     kernels = {"live": kernel(cid=DOCKER), "gone": kernel(cid=CRIO)}
     verdicts = classify_kernels(kernels, scan, NOW, GRACE)
     assert {k: v.status for k, v in verdicts.items()} == {"live": Liveness.LIVE, "gone": Liveness.STALE}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "scan", "status", "reason"),
+    [
+        ({"pod_running": True}, VISIBLE, Liveness.LIVE, "pod-running"),
+        ({"pod_running": False}, VISIBLE, Liveness.STALE, "pod-gone"),
+        ({"pod_running": False}, HIDDEN, Liveness.UNKNOWN, "no-container-id"),  # a hidden tree proves nothing
+        ({"recovery_agent_id": "i-a", "host_agents": frozenset({"i-a", "i-b"})}, HIDDEN, Liveness.LIVE, "in-agent-registry"),
+        ({"recovery_agent_id": "i-other", "host_agents": frozenset({"i-a"})}, VISIBLE, Liveness.UNKNOWN, "no-container-id"),
+        ({}, VISIBLE, Liveness.UNKNOWN, "no-container-id"),
+    ],
+)
+def test_a_complete_file_without_cid_is_judged_by_a_real_signal_or_unknown(kwargs, scan, status, reason) -> None:
+    verdict = classify(kernel(cid=None), scan, NOW, GRACE, **kwargs)
+    assert (verdict.status, verdict.reason) == (status, reason)
+
+
+def test_the_kubernetes_sample_is_never_stale() -> None:
+    from helpers import FIXTURES
+
+    from exporter.scratch.resources import parse_resource
+
+    spec = parse_resource((FIXTURES / "resources-26" / "kubernetes-no-cid.txt").read_text())
+    k = Kernel("f4de2c08-9aea-4429-b149-1e243192b704", "/scratch", KernelState.OK, spec, None, 0.0)
+    for scan in (VISIBLE, HIDDEN, scan_cgroups(TREES / "v2-kubepods")):
+        for later in (NOW, NOW * 10):
+            assert classify(k, scan, later, GRACE).status is not Liveness.STALE
+    verdicts = classify_kernels({k.kernel_id: k}, VISIBLE, NOW, GRACE, pods={k.kernel_id: True})
+    assert verdicts[k.kernel_id].reason == "pod-running"

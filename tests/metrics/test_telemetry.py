@@ -154,6 +154,7 @@ def test_unsupported_fields_are_omitted_not_nan(dgx: FakeNvml) -> None:
         "gpu_alloc_device_up",
         "gpu_alloc_device_stale",
         "gpu_alloc_device_last_update_timestamp_seconds",
+        "gpu_alloc_device_multiprocessors",  # from libcuda, which NVML's NOT_SUPPORTED does not touch
     }
     assert series_of(text, dgx.gpus[2].uuid) == identity
     assert "gpu_alloc_device_power_watts" in series_of(text, dgx.gpus[1].uuid)

@@ -8,7 +8,7 @@ from decimal import Decimal
 from pathlib import Path
 
 import pytest
-from backendai_reference import read_allocations, scan_gpu_alloc_map
+from backendai_reference import WITH_CUDA_MEM, read_allocations, scan_gpu_alloc_map
 from helpers import FIXTURES
 
 from exporter.demo import write_kernel
@@ -17,6 +17,7 @@ from exporter.scratch.reader import Scanner, read_kernel
 from exporter.scratch.resources import Pending, parse_resource
 
 SAMPLES = sorted((FIXTURES / "resources").glob("*.txt"))
+SAMPLES_26 = sorted((FIXTURES / "resources-26").glob("*.txt"))
 GOOD = 'SCRATCH_SIZE=0m\nMOUNTS=\nSLOTS={"cuda.shares":"0.5"}\nCUDA.SHARES_SHARES=GPU-a:0.5\n'
 
 
@@ -118,16 +119,24 @@ def test_running_totals_equal_a_fresh_sum_after_random_churn() -> None:
 
 
 def test_a_scratch_tree_of_backendai_samples_matches_what_the_agent_reads_back(tmp_path: Path) -> None:
-    for i, sample in enumerate(SAMPLES):
+    samples = SAMPLES + SAMPLES_26
+    for i, sample in enumerate(samples):
         config = tmp_path / f"kernel-{i}" / "config"
         config.mkdir(parents=True)
         (config / "resource.txt").write_text(sample.read_text())
     book = AllocationBook()
     Scanner(book).scan(str(tmp_path))
     view = book.view()
-    assert dict(view.alloc_map) == dict(sorted(scan_gpu_alloc_map([s.read_text() for s in SAMPLES]).items()))
-    for i, sample in enumerate(SAMPLES):
-        expected = {(slot, d, a) for slot, per in read_allocations(sample.read_text()).items() for d, a in per.items()}
+    texts = [s.read_text() for s in samples]
+    # Every file counts, as an agent whose plugins register cuda.mem reads them all ...
+    assert dict(view.alloc_map) == dict(sorted(scan_gpu_alloc_map(texts, WITH_CUDA_MEM).items()))
+    # ... while the newest open-source agent stops at the first cuda.mem file, and those are flagged.
+    first_bad = next(i for i, t in enumerate(texts) if "CUDA.MEM_SHARES" in t)
+    assert scan_gpu_alloc_map(texts) == scan_gpu_alloc_map(texts[:first_bad])
+    flagged = {k for k, v in view.kernels.items() if v.spec.agent_unreadable}
+    assert flagged == {f"kernel-{i}" for i, t in enumerate(texts) if "CUDA.MEM_SHARES" in t}
+    for i, sample in enumerate(samples):
+        expected = {(slot, d, a) for slot, per in read_allocations(sample.read_text(), WITH_CUDA_MEM).items() for d, a in per.items()}
         got = {(a.slot, a.device_id, a.amount) for a in view.kernels[f"kernel-{i}"].allocations}
         assert got == expected
 
@@ -189,3 +198,31 @@ def test_symlinks_are_refused_inside_the_root_as_outside(tmp_path: Path) -> None
     assert "config/ is a symlink" in str(read_kernel(str(root) + "/", "alias"))  # would count "real" twice
     assert "config/ is a symlink" in str(read_kernel(str(root), "escape"))
     assert read_kernel(str(root), "real").allocations
+
+
+def test_an_unterminated_last_line_is_read_once_the_file_has_settled(tmp_path: Path) -> None:
+    config = tmp_path / "k1" / "config"
+    config.mkdir(parents=True)
+    res = config / "resource.txt"
+    res.write_text('SCRATCH_SIZE=0m\nMOUNTS=\nSLOTS={"cuda.shares":"0.5"}\nCUDA.SHARES_SHARES=GPU-a:0.5')
+    now = [res.stat().st_mtime + 1.0]
+    book = AllocationBook()
+    scanner = Scanner(book, clock=lambda: now[0], settle_seconds=5.0)
+    scanner.scan(str(tmp_path), force=False)
+    assert book.view().kernels["k1"].state is KernelState.PENDING
+    now[0] += 10.0  # nothing touched it since: the writer is done; an unchanged file is re-read
+    scanner.scan(str(tmp_path), force=False)
+    assert book.view().kernels["k1"].state is KernelState.OK
+    assert book.view().alloc_map == {"GPU-a": "0.5"}
+
+
+def test_a_close_write_event_completes_an_unterminated_file(tmp_path: Path) -> None:
+    config = tmp_path / "k1" / "config"
+    config.mkdir(parents=True)
+    (config / "resource.txt").write_text('SCRATCH_SIZE=0m\nMOUNTS=\nSLOTS={"cuda.shares":"0.5"}\nCUDA.SHARES_SHARES=GPU-a:0.5')
+    book = AllocationBook()
+    scanner = Scanner(book)
+    scanner.refresh(str(tmp_path), "k1")
+    assert book.view().kernels["k1"].state is KernelState.PENDING
+    scanner.refresh(str(tmp_path), "k1", closed=True)
+    assert book.view().kernels["k1"].state is KernelState.OK

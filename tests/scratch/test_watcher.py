@@ -37,9 +37,9 @@ class CountingScanner(Scanner):
         super().__init__(book)
         self.reads = 0
 
-    def refresh(self, root: str, kernel_id: str, force: bool = True) -> None:
+    def refresh(self, root: str, kernel_id: str, force: bool = True, closed: bool = False) -> None:
         self.reads += 1
-        super().refresh(root, kernel_id, force)
+        super().refresh(root, kernel_id, force, closed)
 
 
 def test_new_kernel_appears_and_removed_kernel_disappears(watched) -> None:
@@ -119,10 +119,10 @@ def test_overflow_triggers_a_rescan(tmp_path: Path) -> None:
     release = threading.Event()
 
     class Stalling(Scanner):
-        def refresh(self, root, kernel_id, force=True):
+        def refresh(self, root, kernel_id, force=True, closed=False):
             if kernel_id == "stall":
                 release.wait(10)
-            super().refresh(root, kernel_id, force)
+            super().refresh(root, kernel_id, force, closed)
 
     watcher = ScratchWatcher(Stalling(book), [str(tmp_path)], rescan_interval=3600)
     try:
@@ -175,10 +175,10 @@ def test_a_handler_error_is_counted_and_the_watcher_keeps_running(tmp_path: Path
     class Flaky(Scanner):
         fail = True
 
-        def refresh(self, root, kernel_id, force=True):
+        def refresh(self, root, kernel_id, force=True, closed=False):
             if self.fail and kernel_id == "bad":
                 raise RuntimeError("boom")
-            super().refresh(root, kernel_id, force)
+            super().refresh(root, kernel_id, force, closed)
 
     with ScratchWatcher(Flaky(book), [str(tmp_path)], rescan_interval=3600) as watcher:
         (tmp_path / "bad").mkdir()

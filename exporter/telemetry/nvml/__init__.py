@@ -10,6 +10,26 @@ does not load ``pynvml`` (the binding imports it at call time; ``simulated`` is 
 those who install it).
 """
 
-from exporter.telemetry.nvml.binding import THROTTLE_REASONS, NvmlSource, binding_path, probe
+from exporter.telemetry.nvml.binding import (
+    THROTTLE_REASONS,
+    CudaDevice,
+    CudaUnavailable,
+    NvmlSource,
+    binding_path,
+    cuda_devices,
+    known_sm_count,
+    normalize_pci_bus_id,
+    probe,
+)
 
-__all__ = ["THROTTLE_REASONS", "NvmlSource", "binding_path", "probe"]
+__all__ = [
+    "THROTTLE_REASONS",
+    "CudaDevice",
+    "CudaUnavailable",
+    "NvmlSource",
+    "binding_path",
+    "cuda_devices",
+    "known_sm_count",
+    "normalize_pci_bus_id",
+    "probe",
+]

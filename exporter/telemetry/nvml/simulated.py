@@ -11,6 +11,18 @@ Presets: :meth:`FakeNvml.dgx_a100` (8× A100-SXM4-40GB, driver 550.54.15, GPUs 6
 mode), :meth:`FakeNvml.h100_node` (8× H100 80GB HBM3, driver 570, GPU 0 in MIG mode) and
 :meth:`FakeNvml.v100_old_driver` (4× V100, driver 470: no v2/v3/V calls, retired pages).
 
+The same machine also answers the CUDA driver API (``libcuda.so.1``) through
+:class:`FakeCudaDriver`, which ``installed()`` puts where ``exporter.nvml`` loads the library:
+``cuInit`` / ``cuDeviceGetCount`` / ``cuDeviceGet`` / ``cuDeviceGetAttribute`` (SM count) /
+``cuDeviceGetPCIBusId`` / ``cuDeviceGetUuid[_v2]`` / ``cuDeviceTotalMem_v2``, with CUresult codes
+and out-parameters written through ``byref``. CUDA enumerates the GPUs that are not in MIG mode,
+ordered by PCI bus id (``CUDA_DEVICE_ORDER`` default ``FASTEST_FIRST`` may differ from NVML's
+order on a real node; matching is by UUID or bus id, never by ordinal), and reports the memory
+NVML does not keep for itself (total minus reserved). ``cuda_state``: ``"ok"``, ``"missing"``
+(no ``libcuda.so.1``: loading raises ``OSError``), ``"no_device"`` (``cuInit`` answers
+``CUDA_ERROR_NO_DEVICE``, as in a container without device nodes) or ``"insufficient_driver"``
+(``CUDA_ERROR_INSUFFICIENT_DRIVER``); an unloaded driver also answers ``CUDA_ERROR_NO_DEVICE``.
+
 Faults: :meth:`lose` (GPU_IS_LOST), :meth:`set_unsupported` (per call or ``"*"``),
 :meth:`set_absent` (older driver), :meth:`hang` (blocks until released), :meth:`fail` (any code),
 ``unprivileged`` (NO_PERMISSION on MIG geometry and parent aggregates), :meth:`unload_driver` /
@@ -34,6 +46,7 @@ from typing import Any
 import pynvml
 
 from exporter.telemetry.mig import BUILTIN_TABLES, GpuInstance, creatable_instances
+from exporter.telemetry.nvml import binding as nvml_module
 
 GIB = 1024**3
 MIB = 1024**2
@@ -198,6 +211,7 @@ class FakeGpu:
     mig_current: bool = False
     mig_pending: bool = False
     gis: list[FakeGi] = field(default_factory=list)
+    multiprocessors: int | None = None  # SMs as CUDA reports them; None: CUDA does not list it
     lost: bool = False
     lost_handle_code: int = GPU_IS_LOST  # what GetHandleByIndex answers once lost
     unsupported: set[str] = field(default_factory=set)
@@ -270,6 +284,7 @@ class FakeNvml:
         self.cuda_version = cuda_version
         self.absent = set(absent)
         self.driver_state = "ok"  # "ok", "not_loaded", "rm_mismatch"
+        self.cuda_state = "ok"  # "ok", "missing", "no_device", "insufficient_driver"
         self.unprivileged = False
         self.max_event_wait_ms = 20  # clamps nvmlEventSetWait so tests stay fast
         self.calls: Counter[str] = Counter()
@@ -316,6 +331,7 @@ class FakeNvml:
                     processes={0: [(4101, 12 * GIB), (4102, 3 * GIB)], 1: [(5120, 15 * GIB)]}.get(i, []),
                     process_sm={0: {4101: 61, 4102: 33}, 1: {5120: 64}}.get(i, {}),
                     mig_sku="A100-40GB",
+                    multiprocessors=108,
                 )
             )
         fake = cls(gpus, driver_version="550.54.15", cuda_version=12040, absent=ABSENT_BEFORE_R570, clock=clock)
@@ -351,6 +367,7 @@ class FakeNvml:
                 clocks_event=0x0 if i % 2 else 0x1,
                 processes=[(7000 + i, (40 + i) * GIB)] if i % 2 else [],
                 mig_sku="H100-80GB",
+                multiprocessors=132,
             )
             for i in range(8)
         ]
@@ -382,6 +399,7 @@ class FakeNvml:
                 retired_pages=([0x1F000, 0x2A000], [0x3B000]) if i == 1 else ([], []),
                 retired_pending=1 if i == 1 else 0,
                 processes=[(3100, 9 * GIB)] if i == 0 else [],
+                multiprocessors=80,
             )
             for i in range(4)
         ]
@@ -392,9 +410,10 @@ class FakeNvml:
     @contextmanager
     def installed(self) -> Iterator[FakeNvml]:
         """Make this machine the ``libnvidia-ml`` behind ``pynvml`` for the duration."""
-        saved = pynvml.nvmlLib
+        saved, saved_cuda = pynvml.nvmlLib, nvml_module._load_libcuda
         pynvml.nvmlLib = _FakeLib(self)
         pynvml._nvmlGetFunctionPointer_cache.clear()
+        nvml_module._load_libcuda = self.load_libcuda
         try:
             yield self
         finally:
@@ -402,6 +421,13 @@ class FakeNvml:
                 fault.release()  # lets threads stuck in a hang finish
             pynvml.nvmlLib = saved
             pynvml._nvmlGetFunctionPointer_cache.clear()
+            nvml_module._load_libcuda = saved_cuda
+
+    def load_libcuda(self) -> FakeCudaDriver:
+        """What ``ctypes.CDLL("libcuda.so.1")`` gives on this machine."""
+        if self.cuda_state == "missing":
+            raise OSError("libcuda.so.1: cannot open shared object file: No such file or directory")
+        return FakeCudaDriver(self)
 
     def lose(self, index: int, handle_code: int = GPU_IS_LOST) -> None:
         """GPU ``index`` falls off the bus: every call on it fails from now on."""
@@ -1022,6 +1048,97 @@ class FakeNvml:
                 if remaining <= 0:
                     return TIMEOUT
                 self._events.wait(remaining)
+
+
+CUDA_SUCCESS, CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_NOT_INITIALIZED = 0, 1, 3
+CUDA_ERROR_INSUFFICIENT_DRIVER, CUDA_ERROR_NO_DEVICE, CUDA_ERROR_INVALID_DEVICE = 35, 100, 101
+CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT = 16
+
+
+class FakeCudaDriver:
+    """``libcuda.so.1`` of a :class:`FakeNvml` machine: C calls answering CUresult codes."""
+
+    def __init__(self, machine: FakeNvml) -> None:
+        self._machine = machine
+        self._initialised = False
+        self.calls: Counter[str] = Counter()
+
+    def _visible(self) -> list[FakeGpu]:
+        gpus = [g for g in self._machine.gpus if g.multiprocessors is not None and not g.mig_current and not g.lost]
+        return sorted(gpus, key=lambda g: g.pci_bus_id)
+
+    def _gpu(self, dev: Any) -> FakeGpu:
+        ordinal = _val(dev)
+        visible = self._visible()
+        if not self._initialised:
+            raise _Return(CUDA_ERROR_NOT_INITIALIZED)
+        if not 0 <= ordinal < len(visible):
+            raise _Return(CUDA_ERROR_INVALID_DEVICE)
+        return visible[ordinal]
+
+    def __getattr__(self, symbol: str) -> Callable[..., int]:
+        impl = getattr(type(self), f"_c_{symbol}", None)
+        if impl is None:
+            raise AttributeError(symbol)
+
+        def call(*args: Any) -> int:
+            self.calls[symbol] += 1
+            with self._machine._lock:
+                try:
+                    return impl(self, *args) or CUDA_SUCCESS
+                except _Return as answer:
+                    return answer.code
+
+        return call
+
+    def _c_cuInit(self, flags: Any) -> int:
+        m = self._machine
+        if _val(flags) != 0:
+            return CUDA_ERROR_INVALID_VALUE
+        if m.cuda_state == "insufficient_driver":
+            return CUDA_ERROR_INSUFFICIENT_DRIVER
+        if m.cuda_state == "no_device" or m.driver_state != "ok" or not self._visible():
+            return CUDA_ERROR_NO_DEVICE
+        self._initialised = True
+        return CUDA_SUCCESS
+
+    def _c_cuDeviceGetCount(self, ref: Any) -> int:
+        if not self._initialised:
+            return CUDA_ERROR_NOT_INITIALIZED
+        ref._obj.value = len(self._visible())
+        return CUDA_SUCCESS
+
+    def _c_cuDeviceGet(self, ref: Any, ordinal: Any) -> None:
+        self._gpu(ordinal)
+        ref._obj.value = _val(ordinal)
+
+    def _c_cuDeviceGetAttribute(self, ref: Any, attribute: Any, dev: Any) -> int:
+        gpu = self._gpu(dev)
+        if _val(attribute) != CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT:
+            return CUDA_ERROR_INVALID_VALUE  # the fake knows one attribute
+        ref._obj.value = gpu.multiprocessors
+        return CUDA_SUCCESS
+
+    def _c_cuDeviceGetPCIBusId(self, buf: Any, size: Any, dev: Any) -> int:
+        gpu = self._gpu(dev)
+        domain, bus, rest = gpu.pci_bus_id.split(":")
+        text = f"{int(domain, 16):04x}:{bus}:{rest}".encode()  # CUDA prints a 4-digit domain
+        if len(text) >= _val(size):
+            return CUDA_ERROR_INVALID_VALUE
+        buf.value = text
+        return CUDA_SUCCESS
+
+    def _c_cuDeviceGetUuid(self, ref: Any, dev: Any) -> None:
+        gpu = self._gpu(dev)
+        raw = bytes.fromhex(gpu.uuid.removeprefix("GPU-").replace("-", ""))
+        ctypes.memmove(ctypes.addressof(ref._obj), raw, 16)
+
+    def _c_cuDeviceGetUuid_v2(self, ref: Any, dev: Any) -> None:
+        self._c_cuDeviceGetUuid(ref, dev)  # differs only for MIG devices, which the fake never lists
+
+    def _c_cuDeviceTotalMem_v2(self, ref: Any, dev: Any) -> None:
+        gpu = self._gpu(dev)
+        ref._obj.value = gpu.memory_total - gpu.memory_reserved
 
 
 def _uuid(scope: str, index: int, prefix: str = "GPU-") -> str:
