@@ -25,7 +25,15 @@ from decimal import Decimal
 from exporter.analysis.attribution import AttributionTracker, ProcFS
 from exporter.analysis.capacity import CapacityConfig
 from exporter.analysis.liveness import classify_kernels, scan_cgroups
-from exporter.analysis.node import DEFAULT_REQUESTS, Analysis, HeadroomParams, NodeState, live_state
+from exporter.analysis.node import (
+    DEFAULT_REQUESTS,
+    Analysis,
+    HeadroomParams,
+    NodeState,
+    inventory_from_snapshot,
+    live_state,
+    ratio_capacities,
+)
 from exporter.analysis.placement import NoFragRule
 from exporter.analysis.placement import Request as PlacementRequest
 from exporter.metrics.parts import exporter_parts
@@ -214,6 +222,13 @@ class Exporter:
     def sampler_version(self) -> int:
         """Bumped on every published telemetry sample."""
         return self.sampler.version if self.sampler else 0
+
+    def ratio_capacities(self) -> dict[tuple[str, str], Decimal]:
+        """The divisors of the ratio alloc map: each device's registered capacity per slot."""
+        view, snapshot = self.book.view(), self.snapshot()
+        resolver = self.resolver(view, snapshot)
+        inventory = inventory_from_snapshot(snapshot, resolver)
+        return ratio_capacities(live_state(view, snapshot, inventory, self.params, self.analysis.liveness), inventory)
 
     def node_state(self) -> NodeState:
         """Devices with capacity and allocation now: what ``simulate`` places requests on."""

@@ -284,8 +284,8 @@ def _demo_living(settings: Settings, base: Path, seed: int | None, time_scale: f
     # The demo's own paths; its pace only where the user set none.
     update: dict[str, Any] = {"scratch_roots": [node.scratch], "path_procfs": node.host.proc, "path_cgroupfs": node.host.cgroup,
                               "agent_id": node.agent_id}
-    defaults = {"telemetry_interval": 2.0, "telemetry_pcie": True, "stale_grace": 60.0 / time_scale,
-                "capacity_overrides": node.capacity_overrides()}
+    # fGPU capacity comes from the simulated CUDA driver's SM counts, as on a real node.
+    defaults = {"telemetry_interval": 2.0, "telemetry_pcie": True, "stale_grace": 60.0 / time_scale}
     update.update({k: v for k, v in defaults.items() if k not in settings.model_fields_set})
     settings = settings.model_copy(update=update)
 

@@ -32,6 +32,7 @@ __all__ = [
     "inventory_of",
     "live_state",
     "node_state",
+    "ratio_capacities",
 ]
 
 DEFAULT_REQUESTS = tuple(
@@ -314,3 +315,14 @@ class Analysis:
     cgroups: CgroupScan | None = None
     liveness: Mapping[str, KernelLiveness] = field(default_factory=dict)
     attribution: AttributionResult | None = None
+
+
+def ratio_capacities(state: NodeState, inventory: Inventory) -> dict[tuple[str, str], Decimal]:
+    """(slot, device id) → what the plugin registers for it: the divisors of the ratio
+    ``gpu_alloc_map`` (26.4.8+). Counted slots from the node state; ``cuda.mem``, which plugins
+    that have it register as the device's memory, from the inventory (bytes)."""
+    capacities = {(slot, d.device_id): d.capacity for slot, rows in state.slots.items() for d in rows}
+    for gpu in inventory.gpus:
+        if gpu.memory_total_bytes:
+            capacities[("cuda.mem", gpu.device_id)] = Decimal(gpu.memory_total_bytes)
+    return capacities

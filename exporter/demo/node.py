@@ -167,11 +167,6 @@ class LivingNode:
             return g.uuid
         return next(ci.uuid for _, ci in g.cis() if ci.mig_index == mig)
 
-    def capacity_overrides(self) -> list[str]:
-        """``DEVICE_ID=SHARES`` per whole GPU: the shares the fractional plugin registers for it
-        (``min(memory / unit_mem, SMs / unit_proc)``), which NVML alone cannot tell."""
-        return [f"{self.device_id(i)}={self._capacity[i]}" for i in self._shares_gpus]
-
     def _mig_devices(self) -> list[tuple[int, int, str]]:
         """(GPU, MIG index, slot) of every MIG device, in the order the agent enumerates them."""
         out = []

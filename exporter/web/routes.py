@@ -35,6 +35,8 @@ class ServedNode(Protocol):
 
     def node_state(self) -> NodeState: ...
 
+    def ratio_capacities(self) -> dict[tuple[str, str], Decimal]: ...
+
 
 class Routes(Router):
     """Maps a request path to its handler; every handler only reads published snapshots.
@@ -95,9 +97,7 @@ class Routes(Router):
         if form == "absolute":
             return _json(dict(view.alloc_map))
         if form == "ratio":
-            node = self._node.node_state()
-            capacities = {(slot, d.device_id): d.capacity for slot, rows in node.slots.items() for d in rows}
-            return _json(view.alloc_map_ratio(capacities))
+            return _json(view.alloc_map_ratio(self._node.ratio_capacities()))
         return Response(400, f"format must be one of {', '.join(ALLOC_MAP_FORMATS)}\n".encode())
 
     def _state(self, _: Request) -> Response:

@@ -66,3 +66,14 @@ def test_cuda_open_ordinals_with_gaps_join_with_telemetry() -> None:
     assert resolver.scheme == "index"
     assert resolver.resolve("2") is snap.devices[2]
     assert [resolver.label(d) for d in snap.devices] == ["0", "1", "2", "3"]
+
+
+def test_ratio_capacities_divide_cuda_mem_by_the_device_memory() -> None:
+    from exporter.analysis.capacity import GpuInventory
+    from exporter.analysis.node import Inventory, NodeState, ratio_capacities
+    from exporter.analysis.placement import DeviceFree
+
+    state = NodeState({"cuda.shares": (DeviceFree("GPU-a", Decimal("13.5"), Decimal("0.5")),)})
+    inventory = Inventory((GpuInventory("GPU-a", 80 * 2**30, 108), GpuInventory("GPU-b", None, None)))
+    assert ratio_capacities(state, inventory) == {("cuda.shares", "GPU-a"): Decimal("13.5"),
+                                                  ("cuda.mem", "GPU-a"): Decimal(80 * 2**30)}

@@ -85,7 +85,7 @@ def test_the_exporter_sees_the_planted_events(tmp_path: Path) -> None:
     clock = Clock()
     node = LivingNode(tmp_path, seed=4, clock=clock)
     settings = Settings(scratch_roots=[node.scratch], path_procfs=node.host.proc, path_cgroupfs=node.host.cgroup,
-                        capacity_overrides=node.capacity_overrides(), telemetry_interval=0.05, stale_grace=30)
+                        telemetry_interval=0.05, stale_grace=30)
     with node.running():
         exporter = Exporter(settings, telemetry=NvmlSource(event_wait_ms=50))
         exporter.start()
