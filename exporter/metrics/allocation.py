@@ -48,7 +48,22 @@ def allocation_families(view: AllocationView) -> list[Metric]:
         states.add_metric([state.value], view.state_counts.get(state, 0))
     errors = CounterMetricFamily("gpu_alloc_resource_parse_errors", "Reads of resource.txt that found a malformed file")
     errors.add_metric([], view.parse_errors_total)
-    return [dev_count, dev_bytes, fgpu, node_count, node_bytes, states, errors]
+    return [dev_count, dev_bytes, fgpu, node_count, node_bytes, states, errors, *agent_unreadable_families(view)]
+
+
+def agent_unreadable_families(view: AllocationView) -> list[Metric]:
+    """Kernels whose file this exporter reads but the agent's own reader rejects: the agent's
+    ``gpu_alloc_map`` RPC stops at the first of them (a partial map in Backend.AI's UI)."""
+    kernels = _g("gpu_alloc_kernel_agent_unreadable",
+                 "1 for a kernel whose resource.txt the agent's own reader rejects, by reason (the agent's alloc map stops there)",
+                 ["kernel_id", "reason"])
+    for kernel_id, kernel in sorted(view.kernels.items()):
+        for reason in kernel.spec.agent_unreadable if kernel.spec else ():
+            kernels.add_metric([kernel_id, reason], 1)
+    partial = GaugeMetricFamily("gpu_alloc_agent_alloc_map_partial",
+                                "1 if some kernel's file would stop the agent's own gpu_alloc_map RPC (its map is partial)",
+                                value=int(bool(kernels.samples)))
+    return [kernels, partial]
 
 
 # The per-kernel families: (name, HELP). One series per kernel (info) or per kernel, device and
