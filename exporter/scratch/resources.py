@@ -44,7 +44,7 @@ from enum import Enum
 from functools import lru_cache
 from pathlib import PurePosixPath
 
-from exporter.units import clip, parse_binary_size, parse_decimal
+from exporter.units import parse_binary_size, parse_decimal
 
 __all__ = [
     "AGENT_BYTES_SLOTS",
@@ -185,9 +185,17 @@ def parse_resource(
     values: dict[str, tuple[int, str]] = {}
     shares: dict[str, tuple[int, str]] = {}
     container_id: str | None = None
+    mounts_continued = False
+    in_mounts = False
     for lineno, raw in enumerate(lines, start=1):
         # The agent strips the whole line, then splits once on "=": "KEY =v" is the key "KEY ".
         key, sep, value = raw.strip().partition("=")
+        if in_mounts and key != "SLOTS":
+            # Every writer puts SLOTS right after MOUNTS: anything between is a mount path that
+            # held a newline. Never read it as keys: its text would reach labels.
+            mounts_continued = True
+            continue
+        in_mounts = key == "MOUNTS" and bool(sep)
         if not sep or not key:
             continue  # the agent ignores lines without "=" (and an empty key names nothing)
         if key == "CID":
@@ -209,7 +217,7 @@ def parse_resource(
     allocations: list[Allocation] = []
     for slot, (lineno, value) in shares.items():
         allocations.extend(_parse_shares(source, lineno, slot, value, agent_bytes_slots, unreadable))
-    if not _agent_reads_mounts(values["MOUNTS"][1]):
+    if mounts_continued or not _agent_reads_mounts(values["MOUNTS"][1]):
         unreadable.append("mounts")
     if not _agent_reads_scratch_size(values["SCRATCH_SIZE"][1]):
         unreadable.append("scratch-size")
@@ -259,15 +267,16 @@ def _parse_slots(source: str, lineno: int, value: str, unreadable: list[str]) ->
     if not isinstance(obj, dict):
         raise ResourceParseError(source, lineno, "SLOTS is not a JSON object")
     out = []
-    for slot, amount in obj.items():
+    # Errors name the entry by position, never by its text: a file's content may hold secrets.
+    for position, (slot, amount) in enumerate(obj.items(), start=1):
         if amount is None:
             continue  # ResourceSlot.from_json skips null values
         if not isinstance(amount, (str, int, float)) or isinstance(amount, bool):
-            raise ResourceParseError(source, lineno, f"SLOTS[{clip(slot)!r}] is not a number")
+            raise ResourceParseError(source, lineno, f"SLOTS entry {position}: the amount is not a number")
         try:
             out.append((sys.intern(slot), _amount(slot, str(amount))))
         except ValueError as exc:
-            raise ResourceParseError(source, lineno, f"SLOTS[{clip(slot)!r}]: {exc}") from None
+            raise ResourceParseError(source, lineno, f"SLOTS entry {position}: {exc}") from None
         if isinstance(amount, str) and not _is_plain_decimal(amount):
             unreadable.append("slots-value")  # ResourceSlot.from_json does Decimal(value)
     return tuple(out)
@@ -298,25 +307,26 @@ def _parse_unified(source: str, lineno: int, value: str) -> tuple[tuple[str, str
 def _parse_shares(
     source: str, lineno: int, slot: str, value: str, agent_bytes_slots: frozenset[str], unreadable: list[str]
 ) -> list[Allocation]:
+    key = slot.upper() + _SHARES_SUFFIX
     if _BAD_ID.search(slot):
-        raise ResourceParseError(source, lineno, f"slot name {clip(slot)!r} contains whitespace or control characters")
+        raise ResourceParseError(source, lineno, "the slot name in the key contains whitespace or control characters")
     per_device: dict[str, Decimal] = {}
     agent_counts = slot not in agent_bytes_slots
-    for entry in value.split(","):
+    for position, entry in enumerate(value.split(","), start=1):
         # The agent keeps the device id as written (a space after a comma stays in the id).
         device_id, _, amount = entry.partition(":")
         # Upstream skips entries with an empty side; so do we, so both read the same totals.
         if not device_id or not amount:
             continue
         if _BAD_ID.search(device_id):
-            raise ResourceParseError(source, lineno, f"device id {clip(device_id)!r} contains whitespace or control characters")
+            raise ResourceParseError(source, lineno, f"{key} entry {position}: the device id contains whitespace or control characters")
         amount = amount.strip()
         try:
             # A repeated device id overwrites, as upstream's dict assignment does. Ids repeat
             # across kernels ("0", "root", a GPU's uuid): intern them.
             per_device[sys.intern(device_id)] = _amount(slot, amount)
         except ValueError as exc:
-            raise ResourceParseError(source, lineno, f"{slot} on {clip(device_id)!r}: {exc}") from None
+            raise ResourceParseError(source, lineno, f"{key} entry {position}: {exc}") from None
         if agent_counts and not _is_plain_decimal(amount):
             unreadable.append("shares-amount")
     slot = sys.intern(slot)

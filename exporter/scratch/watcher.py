@@ -332,7 +332,10 @@ class ScratchWatcher:
     def _drop_vanished(self, root: str) -> None:
         known = self.scanner.book.known(root)
         with self._lock:
-            for w in [w for (r, k), w in self._kernel_watch.items() if r == root and k not in known]:
+            # A kernel not in the book whose directory still exists was just created: the event
+            # that armed its watch reads it into the book next. Dropping its watch would lose it.
+            for w in [w for (r, k), w in self._kernel_watch.items()
+                      if r == root and k not in known and _dir_ident(os.path.join(root, k)) is None]:
                 self._unwatch(w)
 
     # -- watches -------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ def test_invalid_file_keeps_the_last_good_allocation_and_others_are_unaffected(t
     view = book.view()
     k1 = view.kernels["k1"]
     assert k1.state is KernelState.INVALID
-    assert "resource.txt:4: cuda.shares on 'GPU-a': not a finite number" in k1.reason
+    assert "resource.txt:4: CUDA.SHARES_SHARES entry 1: not a finite number" in k1.reason
     assert view.alloc_map == {"GPU-a": "0.75"}  # the last good 0.5 is still counted
     assert view.kernels["k2"].state is KernelState.OK
     assert view.parse_errors_total == 1

@@ -229,13 +229,13 @@ def test_an_unterminated_cid_line_does_not_make_a_complete_file_pending() -> Non
         (HEADER + "CUDA.SHARES_SHARES=g:Infinity\n", 4, "not a finite number"),
         (HEADER + "CUDA.SHARES_SHARES=g:-0.5\n", 4, "negative amount"),
         (HEADER + "CUDA.SHARES_SHARES=g:zero\n", 4, "not a number"),
-        (HEADER + "CUDA.SHARES_SHARES=g:1E+28\n", 4, "amount out of range"),
-        (HEADER + "CUDA.SHARES_SHARES=g:0.0000000001\n", 4, "amount out of range"),
-        (HEADER + "MEM_SHARES=root:1000000y\n", 4, "amount out of range"),
+        (HEADER + "CUDA.SHARES_SHARES=g:1E+28\n", 4, "out of range"),
+        (HEADER + "CUDA.SHARES_SHARES=g:0.0000000001\n", 4, "out of range"),
+        (HEADER + "MEM_SHARES=root:1000000y\n", 4, "out of range"),
         ("SCRATCH_SIZE=0m\nMOUNTS=\nSLOTS=" + "[" * 100000 + "\n", 3, "nested too deeply"),
         ("SCRATCH_SIZE=0m\nMOUNTS=\nSLOTS={broken\n", 3, "SLOTS is not valid JSON"),
         ("SCRATCH_SIZE=0m\nMOUNTS=\nSLOTS=[1]\n", 3, "SLOTS is not a JSON object"),
-        ('SCRATCH_SIZE=0m\nMOUNTS=\nSLOTS={"cpu":"NaN"}\n', 3, "SLOTS['cpu']"),
+        ('SCRATCH_SIZE=0m\nMOUNTS=\nSLOTS={"cpu":"NaN"}\n', 3, "SLOTS entry 1: not a finite number"),
         ('SCRATCH_SIZE=0m\nMOUNTS=\nSLOTS={"cpu":true}\n', 3, "is not a number"),
         (HEADER + "UNIFIED_DEVICES={}\nCUDA.SHARES_SHARES=g:0.5\n", 4, "UNIFIED_DEVICES is not a list"),
         (HEADER + "CUDA.SHARES_SHARES=g\x01x:0.5\n", 4, "control characters"),
@@ -300,3 +300,32 @@ def test_written_allocations_read_back_exactly(per_device: dict[str, Decimal], c
     s = spec(text)
     assert as_dict(s) == read_allocations(text) == {"cuda.shares": per_device}
     assert s.container_id == "x"
+
+
+@pytest.mark.parametrize("line", [
+    'SLOTS={"cpu":"SECRET"}',
+    'SLOTS={"SECRET":true}',
+    'SLOTS={"cpu":["SECRET"]}',
+    "SLOTS=SECRET",
+    "CUDA.SHARES_SHARES=dev:SECRET",
+    "CUDA.SHARES_SHARES=dev:-1SECRET",
+    "CUDA.SHARES_SHARES=SECRET\x01:1",
+    "CUDA\x01SECRET_SHARES=dev:1",
+    "MEM_SHARES=root:1SECRETg",
+    "UNIFIED_DEVICES=SECRET",
+    'UNIFIED_DEVICES=[["SECRET"]]',
+])
+def test_no_value_from_the_file_is_ever_quoted_in_an_error(line: str) -> None:
+    text = 'SCRATCH_SIZE=0m\nMOUNTS=\nSLOTS={"cpu":"1"}\n'
+    text = text.replace('SLOTS={"cpu":"1"}', line) if line.startswith("SLOTS=") else text + line + "\n"
+    with pytest.raises(ResourceParseError) as caught:
+        parse_resource(text, "/s/k/config/resource.txt")
+    assert "SECRET" not in str(caught.value) and str(caught.value).startswith("/s/k/config/resource.txt:")
+
+
+def test_a_mount_path_with_a_newline_never_becomes_keys_or_labels() -> None:
+    text = ('SCRATCH_SIZE=0m\nMOUNTS=/data/a\nCUDA.SHARES_SHARES=GPU-forged:9:/home/work/a:rw\n'
+            'SLOTS={"cpu":"1","cuda.shares":"0.5"}\nCUDA.SHARES_SHARES=GPU-real:0.5\nCPU_SHARES=0:1\n')
+    result = parse_resource(text, "r")
+    assert {(a.slot, a.device_id) for a in result.allocations} == {("cuda.shares", "GPU-real"), ("cpu", "0")}
+    assert "mounts" in result.agent_unreadable
