@@ -52,7 +52,7 @@ def exporter_parts(node: NodeReader, *, telemetry_source: str, agent_id: str | N
     :param process_detail: export per-process attribution series (``--attribution.process-detail``).
     """
     book, watcher = node.book, node.watcher
-    kernel_text = KernelText()
+    kernel_text = KernelText(agent_id)
 
     def telemetry() -> list[Metric]:
         view, snapshot = book.view(), node.snapshot()
@@ -70,7 +70,7 @@ def exporter_parts(node: NodeReader, *, telemetry_source: str, agent_id: str | N
 
     def scratch() -> list[Metric]:
         view = book.view()
-        return allocation_families(view) + kernel_families(view)
+        return allocation_families(view) + kernel_families(view, agent_id)
 
     def scratch_text() -> bytes:
         view = book.view()
