@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from decimal import Decimal
 
+from exporter.analysis.accounting import Accountant
 from exporter.analysis.attribution import AttributionTracker, ProcFS
 from exporter.analysis.capacity import CapacityConfig
 from exporter.analysis.liveness import classify_kernels, scan_cgroups
@@ -116,6 +117,7 @@ class Exporter:
             ProcFS(str(settings.path_procfs)), monotonic, idle_threshold_ratio=settings.attribution_idle_threshold_ratio
         )
         self.analysis = Analysis()
+        self._accountant = Accountant(monotonic)
         self._monotonic = monotonic
         self._judged: tuple[int, float] = (-1, 0.0)  # (view version, monotonic time) of the last staleness check
         self._stop = threading.Event()
@@ -194,14 +196,20 @@ class Exporter:
                 log.exception("stale-kernel check failed")
                 cgroups, liveness = None, {}
             self._judged = (view.version, now)
+        resolver = self.resolver(view, snapshot)
         try:
-            attribution = self._tracker.update(snapshot, view.kernels.values(), self.resolver(view, snapshot))
+            attribution = self._tracker.update(snapshot, view.kernels.values(), resolver)
         except Exception:
             log.exception("process attribution failed")
             attribution = None
+        try:
+            accounting = self._accountant.update(view.kernels.values(), snapshot, resolver, self.params.capacity, attribution)
+        except Exception:
+            log.exception("GPU accounting failed")
+            accounting = None
         visible = cgroups.visible if cgroups else None
         moved = liveness != prev.liveness or visible != (prev.cgroups.visible if prev.cgroups else None)
-        self.analysis = Analysis(prev.version + 1, prev.liveness_version + moved, cgroups, liveness, attribution)
+        self.analysis = Analysis(prev.version + 1, prev.liveness_version + moved, cgroups, liveness, attribution, accounting)
 
     def resolver(self, view: AllocationView, snapshot: TelemetrySnapshot) -> DeviceResolver:
         """How this node's device ids map to the snapshot's devices."""

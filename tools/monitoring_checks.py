@@ -25,7 +25,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARDS = ROOT / "dashboards"
 ALERTS = ROOT / "alerts"
-RULE_FILES = (ALERTS / "gpu-alloc.recording.yml", ALERTS / "gpu-alloc.rules.yml")
+RULE_FILES = (ALERTS / "gpu-alloc.recording.yml", ALERTS / "gpu-alloc.rules.yml", ALERTS / "gpu-alloc-sessions.rules.yml")
 GRID_COLUMNS = 24
 
 # Grafana's own variables, and what the checks put in their place.

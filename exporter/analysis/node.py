@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
 
+from exporter.analysis.accounting import Accounting
 from exporter.analysis.attribution import AttributionResult
 from exporter.analysis.capacity import CapacityConfig, GpuInventory, device_capacity, is_fractional_slot, is_mig_slot
 from exporter.analysis.headroom import SlotHeadroom, summarize
@@ -315,6 +316,7 @@ class Analysis:
     cgroups: CgroupScan | None = None
     liveness: Mapping[str, KernelLiveness] = field(default_factory=dict)
     attribution: AttributionResult | None = None
+    accounting: Accounting | None = None  # shares, normalised use, chargeback counters
 
 
 def ratio_capacities(state: NodeState, inventory: Inventory) -> dict[tuple[str, str], Decimal]:

@@ -6,6 +6,16 @@
 - :mod:`exporter.demo.tree`: ``resource.txt`` as the agent writes it, and a still sample node.
 """
 
-from exporter.demo.tree import DEMO_DEVICES, append_cid, build_demo_tree, demo_devices, resource_lines, write_kernel
+from exporter.demo.tree import (
+    DEMO_DEVICES,
+    append_cid,
+    build_demo_tree,
+    demo_devices,
+    recovery_json,
+    resource_lines,
+    write_kernel,
+    write_recovery,
+)
 
-__all__ = ["DEMO_DEVICES", "append_cid", "build_demo_tree", "demo_devices", "resource_lines", "write_kernel"]
+__all__ = ["DEMO_DEVICES", "append_cid", "build_demo_tree", "demo_devices", "recovery_json", "resource_lines", "write_kernel",
+           "write_recovery"]

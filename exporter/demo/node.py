@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import heapq
 import itertools
-import json
 import logging
 import math
 import random
@@ -43,7 +42,7 @@ from pathlib import Path
 from exporter.analysis.capacity import CapacityConfig, fractional_capacity
 from exporter.analysis.placement import DeviceFree, Placement, Policy, Request, place
 from exporter.demo.host import SimulatedHost
-from exporter.demo.tree import append_cid, resource_lines
+from exporter.demo.tree import append_cid, recovery_json, resource_lines
 from exporter.telemetry.nvml.simulated import GIB, MIB, FakeNvml
 
 __all__ = ["AGENT_ID", "LivingNode", "PlannedEvent"]
@@ -473,25 +472,13 @@ class LivingNode:
         for s in self.sessions.values():
             if not s.running:
                 continue
-            name, project, tag = _IMAGES["notebook" if s.kind in ("idle-start", "mig") else s.kind]
-            doc = {
-                "id": s.kernel_id, "agent_id": self.agent_id,
-                "image_ref": {"name": name, "project": project, "tag": tag, "registry": "cr.backend.ai",
-                              "architecture": "x86_64", "is_local": False},
-                "version": 5,
-                "ownership_data": {"kernel_id": s.kernel_id, "session_id": s.session_id, "agent_id": self.agent_id,
-                                   "owner_user_id": s.owner, "owner_project_id": None},
-                "network_id": f"bai-singlenode-{s.session_id[:8]}", "network_driver": "bridge",
-                "session_type": "batch" if s.kind == "batch" else "inference" if s.kind == "inference" else "interactive",
-                "block_service_ports": False, "domain_socket_proxies": [],
-                "service_ports": [] if s.kind == "batch" else [
-                    {"name": "jupyter", "protocol": "http", "container_ports": [8081], "host_ports": [30712], "is_inference": False},
-                    {"name": "sshd", "protocol": "tcp", "container_ports": [2200], "host_ports": [30713], "is_inference": False}],
-                "repl_in_port": 2000, "repl_out_port": 2001,
-            }
+            text = recovery_json(
+                s.kernel_id, s.session_id, s.owner, agent_id=self.agent_id,
+                session_type=s.kind if s.kind in ("batch", "inference") else "interactive",
+                image=_IMAGES["notebook" if s.kind in ("idle-start", "mig") else s.kind])
             path = self.scratch / s.kernel_id / "config" / "recovery.json"
             with contextlib.suppress(FileNotFoundError), path.open("w") as f:
-                f.write(json.dumps(doc, separators=(",", ":")))
+                f.write(text)
 
     def _arrive_later(self, delay: float) -> None:
         self._at(self.now() + delay, "a session arrives", self._arrive)

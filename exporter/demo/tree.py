@@ -15,7 +15,8 @@ from decimal import Decimal
 from importlib import resources
 from pathlib import Path
 
-__all__ = ["DEMO_DEVICES", "append_cid", "build_demo_tree", "demo_devices", "resource_lines", "write_kernel"]
+__all__ = ["DEMO_DEVICES", "append_cid", "build_demo_tree", "demo_devices", "recovery_json", "resource_lines",
+           "write_kernel", "write_recovery"]
 
 DEMO_DEVICES = "demo-devices.toml"
 
@@ -97,6 +98,55 @@ def append_cid(path: Path, container_id: str) -> None:
         f.write(f"CID={container_id}\n")
 
 
+def recovery_json(
+    kernel_id: str,
+    session_id: str,
+    user_id: str | None,
+    *,
+    agent_id: str = "i-demo-node",
+    session_type: str = "interactive",
+    image: tuple[str, str, str] = ("stable/python-ff", "stable", "24.03-py310-cuda12.4"),
+) -> str:
+    """``config/recovery.json`` as a 25.18+ agent writes it: compact pydantic JSON, fields in the
+    order the agent's schema declares them (``owner_project_id`` is always null today).
+
+    :param image: the image's (name, project, tag).
+    """
+    name, project, tag = image
+    doc = {
+        "id": kernel_id,
+        "agent_id": agent_id,
+        "image_ref": {"name": name, "project": project, "tag": tag,
+                      "registry": "cr.backend.ai", "architecture": "x86_64", "is_local": False},
+        "version": 5,
+        "ownership_data": {"kernel_id": kernel_id, "session_id": session_id, "agent_id": agent_id,
+                           "owner_user_id": user_id, "owner_project_id": None},
+        "network_id": f"bai-singlenode-{session_id[:8]}",
+        "network_driver": "bridge",
+        "session_type": session_type,
+        "block_service_ports": False,
+        "domain_socket_proxies": [],
+        # Batch sessions serve nothing; the others a notebook and SSH.
+        "service_ports": [] if session_type == "batch" else [
+            {"name": "jupyter", "protocol": "http", "container_ports": [8081], "host_ports": [30712], "is_inference": False},
+            {"name": "sshd", "protocol": "tcp", "container_ports": [2200], "host_ports": [30713], "is_inference": False}],
+        "repl_in_port": 2000,
+        "repl_out_port": 2001,
+    }
+    return json.dumps(doc, separators=(",", ":"))
+
+
+def write_recovery(root: Path, kernel_id: str, session_id: str, user_id: str | None, **kw: str) -> Path:
+    """Write (in place, as the agent does) ``{root}/{kernel_id}/config/recovery.json``."""
+    path = root / kernel_id / "config" / "recovery.json"
+    with open(path, "w") as f:
+        f.write(recovery_json(kernel_id, session_id, user_id, **kw))
+    return path
+
+
+DEMO_USERS = ("f38dea23-50fa-42a0-b5ae-338f5f4693f4", "0a1b2c3d-4e5f-4a6b-8c7d-9e0f1a2b3c4d", "7e6d5c4b-3a29-4817-a6b5-c4d3e2f1a0b9")
+
+
 def _bytes(size: str) -> int:
     from exporter.units import parse_binary_size
 
@@ -118,6 +168,9 @@ def build_demo_tree(root: Path, cgroup_root: Path | None = None) -> list[str]:
     def add(allocs: dict, **kw) -> None:
         kid = next(ids)
         write_kernel(root, kid, allocs, container_id=next(cid), **kw)
+        # One session per kernel, owned by one of three users in turn.
+        session = str(uuid.UUID(int=0x5E550000_0000_4000_8000_000000000000 + len(kernels)))
+        write_recovery(root, kid, session, DEMO_USERS[len(kernels) % len(DEMO_USERS)])
         kernels.append(kid)
 
     fgpu = gpus[:-1]

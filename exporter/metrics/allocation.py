@@ -17,11 +17,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.utils import floatToGoString
 
 from exporter.scratch.allocation import AllocationView, Kernel, KernelState, is_accelerator_slot
+from exporter.scratch.identity import Identity
 from exporter.scratch.resources import SlotKind, slot_kind
 from exporter.telemetry.devices import DeviceResolver
 from exporter.telemetry.model import TelemetrySnapshot
 
-__all__ = ["KernelText", "allocation_families", "kernel_families", "unknown_device_families"]
+__all__ = ["IDENTITY_LABELS", "KernelText", "allocation_families", "kernel_families", "kernel_identity", "unknown_device_families"]
 
 
 def _g(name: str, doc: str, labels: Iterable[str] = ()) -> GaugeMetricFamily:
@@ -72,22 +73,39 @@ _KERNEL_FAMILIES = (
     ("gpu_alloc_kernel_allocated", "Amount of a count slot a kernel holds on a device"),
     ("gpu_alloc_kernel_allocated_bytes", "Amount of a bytes slot a kernel holds on a device"),
     ("gpu_alloc_kernel_info", "Kernel scratch directories seen, with their parse state (ok, pending, invalid)"),
+    (
+        "gpu_alloc_kernel_identity_info",
+        "Backend.AI session, owner, project and agent of a kernel, from its recovery.json "
+        "(undefined until read, or where Backend.AI leaves it unset); join on kernel_id",
+    ),
 )
+# Label names and value formats of Backend.AI's own backendai_container_utilization.
+IDENTITY_LABELS = ("agent_id", "kernel_id", "project_id", "session_id", "session_type", "user_id")
 
 
-def kernel_families(view: AllocationView) -> list[Metric]:
-    """What each kernel holds on each device (accelerator slots), and each kernel's parse state."""
-    (count_name, count_doc), (bytes_name, bytes_doc), (info_name, info_doc) = _KERNEL_FAMILIES
+def kernel_identity(kernel_id: str, kernel: Kernel, agent_id: str | None) -> Identity:
+    """The identity a kernel is exported with: the one read, else every field ``undefined``
+    but the agent id the exporter was given."""
+    return kernel.identity or Identity.unknown(kernel_id, agent_id)
+
+
+def kernel_families(view: AllocationView, agent_id: str | None = None) -> list[Metric]:
+    """What each kernel holds on each device (accelerator slots), each kernel's parse state and
+    its identity (``agent_id``: ``--agent.id``, for kernels whose identity is not read yet)."""
+    (count_name, count_doc), (bytes_name, bytes_doc), (info_name, info_doc), (id_name, id_doc) = _KERNEL_FAMILIES
     count = _g(count_name, count_doc, ["kernel_id", "device_id", "slot"])
     nbytes = _g(bytes_name, bytes_doc, ["kernel_id", "device_id", "slot"])
     info = _g(info_name, info_doc, ["kernel_id", "state"])
+    ident = _g(id_name, id_doc, IDENTITY_LABELS)
     for kernel_id, kernel in sorted(view.kernels.items()):
         info.add_metric([kernel_id, kernel.state.value], 1)
+        i = kernel_identity(kernel_id, kernel, agent_id)
+        ident.add_metric([i.agent_id, kernel_id, i.project_id, i.session_id, i.session_type, i.user_id], 1)
         for a in kernel.allocations:
             if is_accelerator_slot(a.slot):
                 fam = nbytes if slot_kind(a.slot) is SlotKind.BYTES else count
                 fam.add_metric([kernel_id, a.device_id, a.slot], float(a.amount))
-    return [count, nbytes, info]
+    return [count, nbytes, info, ident]
 
 
 class KernelText:
@@ -100,15 +118,18 @@ class KernelText:
     holds them together).
     """
 
-    def __init__(self) -> None:
-        self._chunks: dict[str, tuple[Kernel, tuple[str, str, str]]] = {}
+    def __init__(self, agent_id: str | None = None) -> None:
+        self._agent_id = agent_id
+        self._chunks: dict[str, tuple[Kernel, tuple[str, ...]]] = {}
         self._order: list[str] = []
 
     def render(self, view: AllocationView) -> bytes:
         chunks = {}
         for kernel_id, kernel in view.kernels.items():
             cached = self._chunks.get(kernel_id)
-            chunks[kernel_id] = cached if cached is not None and cached[0] is kernel else (kernel, _encode(kernel_id, kernel))
+            chunks[kernel_id] = (
+                cached if cached is not None and cached[0] is kernel else (kernel, _encode(kernel_id, kernel, self._agent_id))
+            )
         if chunks.keys() != self._chunks.keys():  # kernels came or went: sort again
             self._order = sorted(chunks)
         self._chunks = chunks
@@ -120,18 +141,23 @@ class KernelText:
         return "".join(out).encode()
 
 
-def _encode(kernel_id: str, kernel: Kernel) -> tuple[str, str, str]:
+def _encode(kernel_id: str, kernel: Kernel, agent_id: str | None) -> tuple[str, ...]:
     kid = _label(kernel_id)
     count, nbytes = [], []
     for a in kernel.allocations:
         if is_accelerator_slot(a.slot):
             line = f'{{device_id="{_label(a.device_id)}",kernel_id="{kid}",slot="{_label(a.slot)}"}} {floatToGoString(float(a.amount))}\n'
             (nbytes if slot_kind(a.slot) is SlotKind.BYTES else count).append(line)
-    name_count, name_bytes, name_info = (name for name, _ in _KERNEL_FAMILIES)
+    name_count, name_bytes, name_info, name_id = (name for name, _ in _KERNEL_FAMILIES)
+    i = kernel_identity(kernel_id, kernel, agent_id)
     return (
         "".join(name_count + line for line in count),
         "".join(name_bytes + line for line in nbytes),
         f'{name_info}{{kernel_id="{kid}",state="{kernel.state.value}"}} 1.0\n',
+        # Identity values are UUIDs, a checked agent id and a session type: nothing to escape
+        # but the agent id, which is escaped anyway.
+        f'{name_id}{{agent_id="{_label(i.agent_id)}",kernel_id="{kid}",project_id="{i.project_id}",'
+        f'session_id="{i.session_id}",session_type="{i.session_type}",user_id="{i.user_id}"}} 1.0\n',
     )
 
 

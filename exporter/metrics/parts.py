@@ -13,6 +13,7 @@ from typing import Protocol
 from prometheus_client.core import Metric
 
 from exporter.analysis.node import Analysis, HeadroomParams, Inventory, inventory_from_snapshot
+from exporter.metrics.accounting import accounting_families, accounting_health
 from exporter.metrics.allocation import KernelText, allocation_families, kernel_families, unknown_device_families
 from exporter.metrics.attribution import attribution_families, attribution_health
 from exporter.metrics.exporter import build_info, watcher_families
@@ -52,7 +53,7 @@ def exporter_parts(node: NodeReader, *, telemetry_source: str, agent_id: str | N
     :param process_detail: export per-process attribution series (``--attribution.process-detail``).
     """
     book, watcher = node.book, node.watcher
-    kernel_text = KernelText()
+    kernel_text = KernelText(agent_id)
 
     def telemetry() -> list[Metric]:
         view, snapshot = book.view(), node.snapshot()
@@ -70,7 +71,7 @@ def exporter_parts(node: NodeReader, *, telemetry_source: str, agent_id: str | N
 
     def scratch() -> list[Metric]:
         view = book.view()
-        return allocation_families(view) + kernel_families(view)
+        return allocation_families(view) + kernel_families(view, agent_id)
 
     def scratch_text() -> bytes:
         view = book.view()
@@ -94,4 +95,6 @@ def exporter_parts(node: NodeReader, *, telemetry_source: str, agent_id: str | N
         Part("headroom", headroom, headroom_token),
         Part("attribution", lambda: attribution_families(node.analysis.attribution, process_detail=process_detail),
              lambda: node.analysis.version, health=lambda: attribution_health(node.analysis.attribution)),
+        Part("accounting", lambda: accounting_families(node.analysis.accounting), lambda: node.analysis.version,
+             health=lambda: accounting_health(node.analysis.accounting)),
     ]

@@ -12,6 +12,7 @@ flat at 10,000 kernels.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -20,6 +21,7 @@ from decimal import Decimal
 from enum import Enum
 from types import MappingProxyType
 
+from exporter.scratch.identity import Identity
 from exporter.scratch.resources import Allocation, Pending, ResourceParseError, ResourceSpec
 
 __all__ = [
@@ -105,6 +107,8 @@ class Kernel:
     spec: ResourceSpec | None  # the last good spec; kept while pending or invalid
     reason: str | None  # why pending or invalid
     since: float  # unix time the kernel entered this state
+    # Session, owner and agent from recovery.json (or Docker labels); None until one was read.
+    identity: Identity | None = None
 
     @property
     def allocations(self) -> tuple[Allocation, ...]:
@@ -216,8 +220,25 @@ class AllocationBook:
             if old and (old.state, old.reason, old.spec, old.scratch_root) == (state, reason, spec, scratch_root):
                 return None
             since = old.since if old and old.state is state else self._clock()
-            new = Kernel(kernel_id, scratch_root, state, spec, reason, since)
+            new = Kernel(kernel_id, scratch_root, state, spec, reason, since, old.identity if old else None)
             self._swap(old, new)
+            return new
+
+    def set_identity(self, kernel_id: str, identity: Identity) -> Kernel | None:
+        """Record who a known kernel belongs to.
+
+        :returns: the new :class:`Kernel` if the identity changed, else None. An unchanged
+            identity keeps the same object and version: the agent rewrites every kernel's
+            recovery.json on each kernel start and stop, and a rewrite that says the same must
+            cost no re-rendering (per-kernel text is cached by object).
+        """
+        with self._lock:
+            old = self._kernels.get(kernel_id)
+            if old is None or old.identity == identity:
+                return None
+            new = dataclasses.replace(old, identity=identity)
+            self._kernels[kernel_id] = new  # allocations unchanged: no totals to move
+            self._version += 1
             return new
 
     def remove(self, kernel_id: str) -> bool:

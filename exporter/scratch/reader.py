@@ -23,14 +23,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from exporter.scratch.allocation import AllocationBook, KernelState
+from exporter.scratch.identity import RECOVERY_FILE, Identity, parse_recovery
 from exporter.scratch.resources import UNTERMINATED, Pending, ResourceParseError, parse_resource
 
-__all__ = ["RESOURCE_FILE", "ScanStats", "Scanner", "is_kernel_name", "read_kernel"]
+__all__ = ["IDENTITY_FILE", "RESOURCE_FILE", "ScanStats", "Scanner", "is_kernel_name", "read_identity", "read_kernel"]
 
 log = logging.getLogger(__name__)
 
 RESOURCE_FILE = Path("config") / "resource.txt"
+IDENTITY_FILE = Path("config") / RECOVERY_FILE
 DEFAULT_MAX_BYTES = 1 << 20  # a real file is ~1 KiB; 1 MiB leaves room for 10,000-entry lines
+# recovery.json is ~1 KiB (a few service ports); a kernel with hundreds of ports stays far below.
+IDENTITY_MAX_BYTES = 256 << 10
 
 
 def is_kernel_name(name: str) -> bool:
@@ -91,6 +95,25 @@ def read_kernel(
         return ResourceParseError(path, None, f"unparseable ({type(exc).__name__})")
 
 
+def read_identity(root: str, kernel_id: str, max_bytes: int = IDENTITY_MAX_BYTES) -> Identity | None:
+    """Read and parse one kernel's ``config/recovery.json``, the only file besides resource.txt
+    read from a kernel (``environ.txt``, ``kconfig.dat``, ``cluster.json`` and the rest hold
+    secrets and are never opened).
+
+    :returns: the identity, or None while there is none to read: no file yet, a torn or ``{}``
+        write, a file that names another kernel, or one that cannot be read (too big, a symlink
+        out of the root, not a regular file). The caller keeps the identity it had.
+    """
+    try:
+        data, _ = _read_bounded(root, kernel_id, max_bytes, IDENTITY_FILE)
+        identity = parse_recovery(data.decode("utf-8"))
+    except (OSError, _Refused, UnicodeDecodeError):
+        return None
+    if identity is None or identity.kernel_id != kernel_id:
+        return None  # a copied file describes another kernel: never label this one with it
+    return identity
+
+
 class _Refused(Exception):
     """A file we will not read, with the reason."""
 
@@ -100,14 +123,14 @@ _NOFOLLOW_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _NOFOLLOW_FILE = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-def _open_resource(root: str, kernel_id: str) -> int:
-    """Open ``{kernel}/config/resource.txt`` one component at a time without following symlinks
+def _open_config(root: str, kernel_id: str, file: Path = RESOURCE_FILE) -> int:
+    """Open ``{kernel}/config/<file>`` one component at a time without following symlinks
     (three cheap opens instead of a realpath per file).
 
     The agent never writes a symlink there. One that points out of the root would leak another
     file; one that points at another kernel's ``config/`` would count that kernel twice (and take
     over its inotify watch, which is per inode). Either way the kernel is refused."""
-    config, name = RESOURCE_FILE.parts
+    config, name = file.parts
     fds: list[int] = []
     try:
         fds.append(os.open(os.path.join(root, kernel_id), _NOFOLLOW_DIR))
@@ -117,7 +140,7 @@ def _open_resource(root: str, kernel_id: str) -> int:
         if exc.errno in (errno.ELOOP, errno.ENOTDIR):
             kdir = os.path.join(root, kernel_id)
             for what, path in (("the kernel directory", kdir), ("config/", os.path.join(kdir, config)),
-                               ("resource.txt", os.path.join(kdir, config, name))):
+                               (name, os.path.join(kdir, config, name))):
                 if os.path.islink(path):
                     raise _Refused(f"{what} is a symlink (a kernel's config path must be its own, not a link)") from None
         raise
@@ -126,9 +149,9 @@ def _open_resource(root: str, kernel_id: str) -> int:
             os.close(fd)
 
 
-def _read_bounded(root: str, kernel_id: str, max_bytes: int) -> tuple[bytes, float]:
+def _read_bounded(root: str, kernel_id: str, max_bytes: int, file: Path = RESOURCE_FILE) -> tuple[bytes, float]:
     """The file's bytes and its mtime (unix seconds) as of the open."""
-    fd = _open_resource(root, kernel_id)
+    fd = _open_config(root, kernel_id, file)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -190,6 +213,8 @@ class Scanner:
         # kernel_id -> (st_dev, st_ino, st_size, st_mtime_ns) of resource.txt when last read;
         # a safety-net rescan re-reads only files whose signature changed.
         self._seen: dict[str, tuple[int, int, int, int] | None] = {}
+        # The same for recovery.json, which the agent rewrites for every kernel at once.
+        self._seen_identity: dict[str, tuple[int, int, int, int] | None] = {}
         # The inotify reader and the rescan worker both refresh; serialising read+apply keeps an
         # older read from landing after a newer one.
         self._lock = threading.Lock()
@@ -214,6 +239,7 @@ class Scanner:
                 self._seen[kernel_id] = None
             if outcome is None:
                 self._seen.pop(kernel_id, None)
+                self._seen_identity.pop(kernel_id, None)
                 if self.book.remove(kernel_id):
                     log.debug("kernel %s removed", kernel_id)
                 return
@@ -221,6 +247,24 @@ class Scanner:
         if changed is not None and changed.state is KernelState.INVALID:
             kept = "keeping its last good allocation" if changed.spec else "no allocation counted"
             log.warning("kernel %s: %s (%s)", kernel_id, changed.reason, kept)
+
+    def refresh_identity(self, root: str, kernel_id: str, force: bool = True) -> None:
+        """Re-read one kernel's recovery.json (never its resource.txt).
+
+        A file that says what the kernel's identity already says changes nothing (same
+        :class:`Kernel` object, same book version); a torn or ``{}`` file keeps the last identity.
+
+        :param force: read even if the file's signature looks unchanged (events force; rescans don't).
+        """
+        with self._lock:
+            sig = _signature(os.path.join(root, kernel_id, IDENTITY_FILE))
+            if sig is None or (not force and self._seen_identity.get(kernel_id) == sig):
+                return
+            identity = read_identity(root, kernel_id)
+            # Remember the signature only of a file that parsed: a torn one is read again later.
+            self._seen_identity[kernel_id] = sig if identity is not None else None
+            if identity is not None:
+                self.book.set_identity(kernel_id, identity)
 
     def scan(self, root: str, force: bool = True) -> ScanStats:
         """Read every kernel under ``root`` and forget the ones that vanished."""
@@ -234,9 +278,11 @@ class Scanner:
             error = None
         for kernel_id in self.book.known(root) - seen:
             self._seen.pop(kernel_id, None)
+            self._seen_identity.pop(kernel_id, None)
             self.book.remove(kernel_id)
         for kernel_id in seen:
             self.refresh(root, kernel_id, force=force)
+            self.refresh_identity(root, kernel_id, force=force)
         return ScanStats(root, len(seen), self._monotonic() - started, error is None, error)
 
 

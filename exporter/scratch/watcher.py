@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from watchdog.observers.inotify_c import InotifyConstants as IN
 from watchdog.observers.inotify_c import InotifyEvent, InotifyFD
 
-from exporter.scratch.reader import RESOURCE_FILE, Scanner, ScanStats, is_kernel_name
+from exporter.scratch.reader import IDENTITY_FILE, RESOURCE_FILE, Scanner, ScanStats, is_kernel_name
 
 __all__ = ["ScratchWatcher", "WatcherStatus"]
 
@@ -48,6 +48,10 @@ _CONFIG_MASK = (
 )
 _RESOURCE_NAME = RESOURCE_FILE.name.encode()
 _CONFIG_NAME = RESOURCE_FILE.parent.name.encode()
+_IDENTITY_NAME = IDENTITY_FILE.name.encode()
+# recovery.json is rewritten in place (truncate, write): read it once the writer closes it, not
+# on each IN_MODIFY of the rewrite (which would mostly find a torn file).
+_IDENTITY_EVENTS = IN.IN_CLOSE_WRITE | IN.IN_MOVED_TO
 _CB_ID = 0  # one callback per watch: its id only has to be unique within the watch
 
 
@@ -322,6 +326,7 @@ class ScratchWatcher:
             for kernel_id in kernels:
                 if self._arm_kernel(root, kernel_id):
                     self.scanner.refresh(root, kernel_id)
+                    self.scanner.refresh_identity(root, kernel_id)
 
     def _drop_kernel(self, root: str, kernel_id: str) -> None:
         with self._lock:
@@ -451,9 +456,12 @@ class ScratchWatcher:
         elif name == _CONFIG_NAME:  # config/ appeared in a kernel directory: move the watch there
             self._arm_kernel(w.root, w.kernel_id)
             self.scanner.refresh(w.root, w.kernel_id)
+            self.scanner.refresh_identity(w.root, w.kernel_id)
         elif name == _RESOURCE_NAME:
             # After IN_CLOSE_WRITE the writer is done: an unterminated last line is complete.
             self.scanner.refresh(w.root, w.kernel_id, closed=bool(mask & IN.IN_CLOSE_WRITE))
+        elif name == _IDENTITY_NAME and mask & _IDENTITY_EVENTS:
+            self.scanner.refresh_identity(w.root, w.kernel_id)
 
     def _on_overflow(self) -> None:
         with self._lock:

@@ -43,6 +43,9 @@ Extensions (all optional; Backend.AI ignores unknown keys). Devices may also be 
   :mod:`exporter.telemetry.mig` knows (A30, A100, H100, H200), placements are checked against its
   legal starts, and the GPU instances and each profile's remaining capacity are reported as NVML
   would.
+- per whole GPU, ``processes = [{ pid = 1001, used_memory = "4G", sm_util = 0.6 }, …]``: its
+  compute processes by host PID and their per-process SM samples, for process attribution;
+  without the key the process list is unknown, as when NVML cannot read it.
 - ``[mig_parents.<mother_uuid>]``: the physical GPU of a group of MIG devices when it is not
   listed in ``devices``: ``model_name``, ``memory_size``, ``subproc_count``, ``numa_node``
   and the per-device keys above.
@@ -59,12 +62,14 @@ import tomllib
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from exporter.telemetry.mig import GpuInstance, MigProfile, MigTable, creatable_instances, table_for_product
 from exporter.telemetry.model import (
     DeviceReading,
     GpuInstanceReading,
+    GpuProcess,
     MigDeviceReading,
     MigPlacement,
     MigProfileCapacity,
@@ -153,6 +158,8 @@ class _MockGpu:
     patterns: dict[str, _Pattern]
     listed: bool  # False: synthesised as the parent of MIG devices
     migs: list[_MockMig] = field(default_factory=list)
+    # (pid, used memory bytes, SM ratio or None); None: no process list (as when NVML cannot read it)
+    processes: tuple[tuple[int, int | None, float | None], ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,6 +167,24 @@ class _MockFile:
     gpus: tuple[_MockGpu, ...]
     driver_version: str | None
     cuda_version: str | None
+
+
+def _processes(r: _Reader, table: Mapping[str, Any], where: str) -> tuple[tuple[int, int | None, float | None], ...] | None:
+    """``processes = [{ pid = 1001, used_memory = "4G", sm_util = 0.6 }, …]``: compute processes by
+    host PID, as NVML lists them (and samples their SM use) on a GPU without MIG."""
+    entries = r.get(table, "processes", where, list, None)
+    if entries is None:
+        return None
+    out = []
+    for i, entry in enumerate(entries):
+        at = f"{where}.processes[{i}]"
+        if not isinstance(entry, dict):
+            raise r.fail(at, f"expected a table, got {entry!r}")
+        util = r.get(entry, "sm_util", at, (int, float), None)
+        if util is not None and not 0 <= util <= 1:
+            raise r.fail(f"{at}.sm_util", f"must be within 0-1, got {util}")
+        out.append((r.count(entry, "pid", at, 1), r.size(entry, "used_memory", at, None), None if util is None else float(util)))
+    return tuple(out)
 
 
 class _Reader:
@@ -289,6 +314,7 @@ def _load_mock_file(path: Path) -> _MockFile:
             power_limit_watts=limit,
             patterns=patterns,
             listed=listed,
+            processes=_processes(r, table, where),
         )
         return gpus[mother]
 
@@ -465,6 +491,9 @@ class MockSource:
             mig_profile_capacity=capacity,
             multiprocessor_count=gpu.multiprocessors,
             numa_node=gpu.numa_node,
+            processes=None if gpu.processes is None else tuple(GpuProcess(pid, mem) for pid, mem, _ in gpu.processes),
+            process_utilization=None if gpu.processes is None or mig_on else MappingProxyType(
+                {pid: util for pid, _, util in gpu.processes if util is not None}),
         )
 
     @staticmethod

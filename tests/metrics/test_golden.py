@@ -20,7 +20,7 @@ from helpers import CID, GOLDEN, K1, K2, K3, K4, K5, K6, PLACEMENT, PROC, ROOT
 from prometheus_client import CollectorRegistry, generate_latest
 
 from exporter.app import Exporter
-from exporter.demo import write_kernel
+from exporter.demo import recovery_json, write_kernel, write_recovery
 from exporter.metrics.registry import ExporterCollector, Part
 from exporter.metrics.telemetry import telemetry_families, telemetry_health
 from exporter.settings import Settings
@@ -32,6 +32,8 @@ from exporter.telemetry.nvml.simulated import FakeNvml
 
 GOLDEN_FILE = GOLDEN / "full.prom"
 NOW = 1_700_000_000.0
+USER_A = "f38dea23-50fa-42a0-b5ae-338f5f4693f4"
+SESSION = {K1: "b0a4e7c2-5d1f-4e6a-8c3b-2f9d7e1a6b4c", K2: "4c8e2a6f-1b3d-4f5a-9e7c-0d2b4f6a8c1e", K4: "c1d2e3f4-0a1b-4c2d-8e3f-a0b1c2d3e4f5"}
 
 
 def normalise(text: str, tmp: Path) -> str:
@@ -53,6 +55,12 @@ def build_node(tmp: Path, fake: FakeNvml) -> Settings:
     write_kernel(root, "6193c0b8-7283-44b5-e0f1-6c7d8e9fa0b7", {"cuda.shares": {"GPU-00000000-dead-beef-0000-000000000000": Decimal("0.25")}},
                  container_id="7c7c" * 16)
     write_kernel(root, "72a4d1c9-8394-45c6-f102-7d8e9fa0b1c8", {"cuda.shares": {gpu[5]: Decimal(2)}}, complete=False)
+    # Identity: K1 and K4 are two sessions of one user, K2 a batch session without an owner; K3's
+    # agent predates recovery.json, and K5's file is torn mid-rewrite (so it has none yet).
+    write_recovery(root, K1, SESSION[K1], USER_A, agent_id="i-dgx01")
+    write_recovery(root, K2, SESSION[K2], None, agent_id="i-dgx01", session_type="batch")
+    write_recovery(root, K4, SESSION[K4], USER_A, agent_id="i-dgx01")
+    (root / K5 / "config" / "recovery.json").write_text(recovery_json(K5, SESSION[K4], USER_A)[:150])
     bad = root / "83b5e2da-94a5-46d7-0213-8e9fa0b1c2d9" / "config"
     bad.mkdir(parents=True)
     (bad / "resource.txt").write_text('SCRATCH_SIZE=0m\nMOUNTS=\nSLOTS={"cuda.shares":"1"}\nCUDA.SHARES_SHARES=GPU-x:-1\n')

@@ -17,7 +17,7 @@ from exporter.demo import write_kernel
 from exporter.settings import Settings
 from exporter.telemetry.mock import DEMO_DEVICES_FILE
 
-PARTS = ["build", "scratch", "watcher", "mock", "headroom", "attribution"]
+PARTS = ["build", "scratch", "watcher", "mock", "headroom", "attribution", "accounting"]
 # (part, the function of exporter.metrics.parts that builds its families, a family only it emits)
 CASES = [
     ("build", "build_info", "gpu_alloc_build_info"),
@@ -26,6 +26,7 @@ CASES = [
     ("mock", "telemetry_families", "gpu_alloc_device_up"),
     ("headroom", "headroom_families", "gpu_alloc_device_capacity"),
     ("attribution", "attribution_families", None),
+    ("accounting", "accounting_families", "gpu_alloc_kernel_gpu_share_ratio"),
 ]
 
 

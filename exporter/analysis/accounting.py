@@ -1,0 +1,219 @@
+"""What each kernel holds of each physical GPU, how much of it it uses, and the chargeback
+counters that integrate both over time.
+
+Three results per analysis pass, all keyed by the **physical GPU** (a MIG slice counts against
+the GPU it is carved from, so a GPU's health reaches every kernel on it, whatever it holds):
+
+* the **share** of a GPU a kernel holds, 0–1: ``cuda.device`` = 1; ``cuda.shares`` = amount ÷
+  the GPU's fractional capacity (:func:`~exporter.analysis.capacity.device_capacity`); a MIG
+  slice = its SMs ÷ the GPU's SMs (its memory ÷ the GPU's memory where SMs are unknown);
+* per kernel, **measured use normalised by what it holds**, averaged over its allocated devices
+  (not summed, so a kernel on four GPUs at 30 % reads 0.3): SM utilisation from NVML's per-process
+  samples, and GPU memory used ÷ memory held (the ``cuda.mem`` allocation where the plugin writes
+  one, else the share × the device's memory). Where a device is not measured (MIG without
+  per-process samples, a failed read, no telemetry) the kernel has **no value**, never 0;
+* per kernel and GPU, **allocated share-seconds** and, while measured, **used share-seconds**
+  (share × utilisation), integrated here at every analysis pass (every telemetry sample), not per
+  scrape: counters are exact whatever the scrape interval, and reset only with the process. A
+  pass integrates the shares the previous pass saw over the time since it, so an allocation
+  change is counted from the next pass (an error of at most one telemetry interval per change).
+  Counters of a kernel that went away stay for ``retention`` seconds, so the last increment is
+  scraped (Backend.AI drops an ended kernel's series after 600 s as well).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Collection, Iterable, Mapping
+from dataclasses import dataclass, field
+from decimal import Decimal
+from types import MappingProxyType
+
+from exporter.analysis.attribution import AttributionResult
+from exporter.analysis.capacity import CapacityConfig, GpuInventory, device_capacity, is_mig_slot
+from exporter.scratch.allocation import Kernel
+from exporter.scratch.resources import SlotKind, slot_kind
+from exporter.telemetry.devices import DeviceResolver
+from exporter.telemetry.model import DeviceReading, MigDeviceReading, TelemetrySnapshot
+
+__all__ = ["Accountant", "Accounting", "KernelUse", "gpu_shares"]
+
+_NVML_PLUGIN = "cuda"
+RETENTION_SECONDS = 600.0
+
+
+@dataclass(frozen=True, slots=True)
+class _Held:
+    """One allocated cuda device of one kernel."""
+
+    alloc_device_id: str  # as resource.txt spells it (attribution keys by this)
+    gpu: str  # the physical GPU's device_id label
+    share: float | None  # of the physical GPU, 0-1; None when the capacity is unknown
+    memory_bytes: float | None  # device memory held
+
+
+@dataclass(frozen=True, slots=True)
+class KernelUse:
+    """A kernel's measured use of what it holds (0-1, averaged per allocated device); None where
+    any of its devices is not measured."""
+
+    utilization_ratio: float | None
+    memory_ratio: float | None
+
+
+@dataclass(frozen=True)
+class Accounting:
+    """One pass's immutable result.
+
+    :param shares: (kernel_id, GPU device_id) -> share of the GPU held (0-1).
+    :param kernels: kernel_id -> measured use normalised by allocation.
+    :param allocated_seconds: (kernel_id, GPU device_id) -> share-seconds held since the exporter started.
+    :param used_seconds: (kernel_id, GPU device_id) -> share-seconds used, for pairs measured at least once.
+    """
+
+    shares: Mapping[tuple[str, str], float] = field(default_factory=dict)
+    kernels: Mapping[str, KernelUse] = field(default_factory=dict)
+    allocated_seconds: Mapping[tuple[str, str], float] = field(default_factory=dict)
+    used_seconds: Mapping[tuple[str, str], float] = field(default_factory=dict)
+
+
+def _gpu_of(reading: DeviceReading | MigDeviceReading | None, snapshot: TelemetrySnapshot) -> DeviceReading | None:
+    if isinstance(reading, DeviceReading):
+        return reading
+    if isinstance(reading, MigDeviceReading):
+        return next((d for d in snapshot.devices if d.uuid == reading.parent_uuid), None)
+    return None
+
+
+def _held(kernel: Kernel, snapshot: TelemetrySnapshot, resolver: DeviceResolver, capacity: CapacityConfig) -> list[_Held]:
+    mem_slot: dict[str, Decimal] = {}
+    for a in kernel.allocations:
+        if a.slot.partition(".")[0] == _NVML_PLUGIN and slot_kind(a.slot) is SlotKind.BYTES:
+            mem_slot[a.device_id] = mem_slot.get(a.device_id, Decimal(0)) + a.amount
+    out = []
+    for a in kernel.allocations:
+        if a.slot.partition(".")[0] != _NVML_PLUGIN or slot_kind(a.slot) is SlotKind.BYTES or not a.amount:
+            continue
+        reading = resolver.resolve(a.device_id)
+        gpu = _gpu_of(reading, snapshot)
+        label = resolver.label(gpu) if gpu is not None else a.device_id
+        share: float | None = None
+        memory: float | None = None
+        if is_mig_slot(a.slot):
+            if isinstance(reading, MigDeviceReading) and gpu is not None:
+                if reading.multiprocessor_count and gpu.multiprocessor_count:
+                    share = reading.multiprocessor_count / gpu.multiprocessor_count
+                elif reading.memory_total_bytes and gpu.memory_total_bytes:
+                    share = reading.memory_total_bytes / gpu.memory_total_bytes
+                memory = reading.memory_total_bytes
+        else:
+            inv = GpuInventory(label, gpu.memory_total_bytes, gpu.multiprocessor_count) if gpu is not None else None
+            cap = device_capacity(a.slot, a.device_id, inv, capacity)
+            if cap:
+                share = min(1.0, float(a.amount / cap))
+            if share is not None and gpu is not None and gpu.memory_total_bytes:
+                memory = share * gpu.memory_total_bytes
+        if a.device_id in mem_slot:
+            memory = float(mem_slot[a.device_id])
+        out.append(_Held(a.device_id, label, share, memory))
+    return out
+
+
+def gpu_shares(held: Iterable[_Held]) -> dict[str, float]:
+    """GPU device_id -> share held, summed over a kernel's allocations on that GPU (capped at 1)."""
+    out: dict[str, float] = {}
+    for h in held:
+        if h.share is not None:
+            out[h.gpu] = min(1.0, out.get(h.gpu, 0.0) + h.share)
+    return out
+
+
+class Accountant:
+    """Keeps the chargeback counters; call :meth:`update` from the analysis thread only.
+
+    :param monotonic: seconds, for the time between passes.
+    :param retention: seconds an ended kernel's counters stay exported.
+    """
+
+    def __init__(self, monotonic: Callable[[], float] = time.monotonic, retention: float = RETENTION_SECONDS) -> None:
+        self._monotonic = monotonic
+        self._retention = retention
+        self._last: float | None = None
+        # What the previous pass saw: (kernel, gpu) -> (share, utilisation or None).
+        self._rates: dict[tuple[str, str], tuple[float, float | None]] = {}
+        self._allocated: dict[tuple[str, str], float] = {}
+        self._used: dict[tuple[str, str], float] = {}
+        self._ended: dict[str, float] = {}  # kernel_id -> monotonic time it went away
+
+    def update(
+        self,
+        kernels: Collection[Kernel],
+        snapshot: TelemetrySnapshot,
+        resolver: DeviceResolver,
+        capacity: CapacityConfig,
+        attribution: AttributionResult | None,
+    ) -> Accounting:
+        now = self._monotonic()
+        if self._last is not None:
+            dt = max(0.0, now - self._last)
+            for key, (share, util) in self._rates.items():
+                self._allocated[key] = self._allocated.get(key, 0.0) + share * dt
+                if util is not None:
+                    self._used[key] = self._used.get(key, 0.0) + share * util * dt
+        self._last = now
+
+        measured = {(u.kernel_id, u.device_id): u for u in attribution.kernels if u.allocated} if attribution else {}
+        shares: dict[tuple[str, str], float] = {}
+        uses: dict[str, KernelUse] = {}
+        rates: dict[tuple[str, str], tuple[float, float | None]] = {}
+        present = set()
+        for k in kernels:
+            present.add(k.kernel_id)
+            held = _held(k, snapshot, resolver, capacity)
+            if not held:
+                continue
+            utils, mems = [], []
+            per_gpu_util: dict[str, list[float | None]] = {}
+            for h in held:
+                u = measured.get((k.kernel_id, h.alloc_device_id))
+                util = u.utilization_ratio if u is not None else None
+                utils.append(util)
+                per_gpu_util.setdefault(h.gpu, []).append(util)
+                used = u.memory_used_bytes if u is not None else None
+                # A 0-1 ratio: a kernel over its share (plugins that do not cap memory) counts as
+                # fully using it; the bytes themselves are gpu_alloc_kernel_memory_used_bytes.
+                mems.append(min(1.0, used / h.memory_bytes) if used is not None and h.memory_bytes else None)
+            uses[k.kernel_id] = KernelUse(_mean(utils), _mean(mems))
+            for gpu, share in gpu_shares(held).items():
+                shares[(k.kernel_id, gpu)] = share
+                gpu_utils = per_gpu_util[gpu]
+                rates[(k.kernel_id, gpu)] = (share, _mean(gpu_utils))
+        self._rates = rates
+
+        # Counters of kernels that went away stay for the retention period, then go.
+        for key in list(self._allocated):
+            kid = key[0]
+            if kid in present:
+                self._ended.pop(kid, None)
+            elif now - self._ended.setdefault(kid, now) > self._retention:
+                self._allocated.pop(key, None)
+                self._used.pop(key, None)
+        for kid in [k for k, t in self._ended.items() if now - t > self._retention]:
+            del self._ended[kid]
+        # Pairs present now start their counters at 0, so the series exists from the first pass.
+        for key in rates:
+            self._allocated.setdefault(key, 0.0)
+            if rates[key][1] is not None:
+                self._used.setdefault(key, 0.0)
+        return Accounting(
+            shares=MappingProxyType(shares),
+            kernels=MappingProxyType(uses),
+            allocated_seconds=MappingProxyType(dict(self._allocated)),
+            used_seconds=MappingProxyType(dict(self._used)),
+        )
+
+
+def _mean(values: list[float | None]) -> float | None:
+    if not values or any(v is None for v in values):
+        return None
+    return sum(values) / len(values)
