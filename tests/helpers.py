@@ -24,12 +24,16 @@ pid   who                   how it shows
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import functools
 import ipaddress
+import shutil
+import socket
+import subprocess
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
@@ -266,3 +270,35 @@ def make_pki(directory: Path) -> Pki:
     make_leaf(directory / "other", "other", ca, server=False, sans=[x509.DNSName("other.example")])
     make_leaf(directory / "rogue", "prometheus", rogue_ca, server=False, sans=[x509.DNSName("prometheus.example")])
     return Pki(directory)
+
+
+# -- Debian's node_exporter, the reference HTTP peer -------------------------------------------------
+
+NODE_EXPORTER = shutil.which("prometheus-node-exporter")
+
+
+@contextlib.contextmanager
+def node_exporter(web_config: Path | None = None) -> Iterator[int]:
+    """Debian's node_exporter (loadavg collector only) on a free loopback port; yields the port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = [NODE_EXPORTER, f"--web.listen-address=127.0.0.1:{port}", "--collector.disable-defaults", "--collector.loadavg"]
+    if web_config is not None:
+        args.append(f"--web.config.file={web_config}")
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        def up() -> bool:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                return True
+            except OSError:
+                assert proc.poll() is None, proc.stderr.read().decode()
+                return False
+
+        wait_for(up, timeout=10)
+        yield port
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        proc.stderr.close()

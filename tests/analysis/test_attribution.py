@@ -2,24 +2,7 @@
 
 The devices are read through the real NVML source from ``exporter/telemetry/nvml/simulated.py`` (GPUs 6 and 7 in MIG
 mode); ``PLACEMENT`` puts the fixture PIDs on them. ``tests/fixtures/proc`` holds one directory per
-host PID (``stat``, ``cgroup``, ``mountinfo``), as node_exporter's fixtures do:
-
-====  ====================  ==============================================================
-pid   who                   how it shows
-====  ====================  ==============================================================
-1001  kernel K1             cgroup v1, Docker cgroupfs driver; on GPU 0 and GPU 1
-1002  kernel K1             same container, GPU 0
-2001  kernel K2             cgroup v2, systemd driver; ``comm`` with spaces and parentheses
-2002  kernel K2             same, but on GPU 3, which K2 does not hold (isolation breach)
-3001  kernel K3             CID= not appended yet: found by its ``/home/config`` bind mount;
-                            the scratch root's filesystem is mounted at /var/lib/backend.ai
-4001  host process          user session; host mounts include K4's tmpfs mount *point*
-5001  kernel K5             hybrid cgroup v1 + v2, systemd driver; GPU 6's 3g.20gb MIG device
-5002  kernel K5             GPU 6's 2g.10gb MIG device, which K5 does not hold (breach)
-6001  leaked container      its kernel's directory is gone; a 1g.5gb MIG device of GPU 7
-7001  kernel K4             cgroup v2; listed only when a test starts K4's process
-9999  (no entry)            exited between NVML's list and /proc
-====  ====================  ==============================================================
+host PID (``stat``, ``cgroup``, ``mountinfo``); ``tests/helpers.py`` tabulates who each PID is.
 
 Unreadable entries are made in a copy under ``tmp_path``; see the tests for how.
 """

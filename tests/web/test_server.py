@@ -18,13 +18,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from helpers import HASH, Pki, make_pki, wait_for
+from helpers import HASH, NODE_EXPORTER, Pki, make_pki, node_exporter, wait_for
 
 from exporter.web.server import HttpServer, Limits, Request, Response
 from exporter.web.webconfig import WebConfigFile
 
 PASSWORD_HASHES: dict[str, str] = {}
-NODE_EXPORTER = shutil.which("prometheus-node-exporter")
 BODY = b"# HELP x test\n# TYPE x gauge\n" + b"".join(b'x{i="%d"} 1\n' % i for i in range(3000))  # ~50 KB
 
 
@@ -389,29 +388,6 @@ def test_reload_users_and_fail_closed_while_broken(tmp_path: Path) -> None:
 # -- conformance with node_exporter ---------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def node_exporter(config: Path) -> Iterator[int]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([NODE_EXPORTER, f"--web.config.file={config}", f"--web.listen-address=127.0.0.1:{port}",
-                             "--collector.disable-defaults", "--collector.loadavg"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        def up() -> bool:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                return True
-            except OSError:
-                assert proc.poll() is None, proc.stderr.read().decode()
-                return False
-
-        wait_for(up, timeout=10)
-        yield port
-    finally:
-        proc.terminate()
-        proc.wait(10)
-        proc.stderr.close()
 
 
 def _outcome(port: int, ctx: ssl.SSLContext | None, auth: tuple[str, str] | None) -> tuple:

@@ -15,17 +15,14 @@ identical headers are one; Transfer-Encoding other than chunked is 501).
 from __future__ import annotations
 
 import contextlib
-import shutil
 import socket
-import subprocess
 from collections.abc import Iterator
 
 import pytest
-from helpers import wait_for
+from helpers import NODE_EXPORTER, node_exporter
 
 from exporter.web.server import HttpServer, Limits, Request, Response
 
-NODE_EXPORTER = shutil.which("prometheus-node-exporter")
 BODY = b"# HELP x test\n# TYPE x gauge\nx 1\n"
 
 
@@ -123,27 +120,6 @@ def ours() -> Iterator[HttpServer]:
         server.close()
 
 
-@contextlib.contextmanager
-def node_exporter() -> Iterator[int]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([NODE_EXPORTER, f"--web.listen-address=127.0.0.1:{port}", "--collector.disable-defaults",
-                             "--collector.loadavg"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        def up() -> bool:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                return True
-            except OSError:
-                assert proc.poll() is None
-                return False
-
-        wait_for(up, timeout=10)
-        yield port
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 def test_the_corpus_documents_every_difference() -> None:

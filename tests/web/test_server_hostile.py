@@ -11,7 +11,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import http.client
-import shutil
 import socket
 import subprocess
 import threading
@@ -21,12 +20,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from helpers import wait_for
+from helpers import NODE_EXPORTER, node_exporter, wait_for
 
 from exporter.web.server import HttpServer, Limits, Request, Response, Route, Router
 from exporter.web.webconfig import WebConfigFile
 
-NODE_EXPORTER = shutil.which("prometheus-node-exporter")
 METRICS = b"# HELP x test\n# TYPE x gauge\nx 1\n"
 
 
@@ -281,23 +279,6 @@ def test_a_password_over_72_bytes_is_compared_as_go_does(tmp_path: Path) -> None
     assert ours == {"80 bytes": 200, "same 72, other tail": 200, "first 71": 401}
     if NODE_EXPORTER is None:
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([NODE_EXPORTER, f"--web.config.file={config}", f"--web.listen-address=127.0.0.1:{port}",
-                             "--collector.disable-defaults", "--collector.loadavg"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        def up() -> bool:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                return True
-            except OSError:
-                return False
-
-        wait_for(up, timeout=10)
+    with node_exporter(config) as port:
         theirs = {name: get(port, auth=("prometheus", pw))[0] for name, pw in cases.items()}
-    finally:
-        proc.terminate()
-        proc.wait(10)
     assert theirs == ours
