@@ -25,6 +25,7 @@ from types import MappingProxyType
 
 from exporter.analysis.capacity import agent_slot_total
 from exporter.analysis.node import NodeState
+from exporter.analysis.placement import DeviceFree
 from exporter.scratch.agent_config import AgentConfigError, AgentToml, parse_agent_config
 from exporter.scratch.allocation import AllocationView, Kernel, KernelState, absolute_alloc_map, is_accelerator_slot
 from exporter.scratch.identity import UNDEFINED
@@ -228,14 +229,16 @@ def agent_headroom(node: NodeState, own: NodeState, layout: AgentLayout, agent_i
     index = layout.agents.index(agent_id)
     manual = layout.allocations.get(agent_id, {})
     out = {}
-    for slot, devices in own.slots.items():
+    for slot, node_devices in node.slots.items():
+        # A slot none of its kernels hold: every device whole and free in its map.
+        devices = own.slots.get(slot) or tuple(DeviceFree(d.device_id, d.capacity, Decimal(0)) for d in node_devices)
         node_total = sum((d.capacity for d in node.slots.get(slot, devices)), Decimal(0))
         try:
             total = agent_slot_total(layout.allocation_mode, slot, node_total, len(layout.agents), index, manual.get(slot))
         except ValueError:
             total = None
         allocated = sum((d.allocated for d in devices), Decimal(0))
-        s = own.summary(slot)
+        s = own.summary(slot, devices)
         # The scheduler offers the agent no more than its reported total leaves free.
         left = max(total - allocated, Decimal(0)) if total is not None else None
         room, nofrag = (s.headroom, s.headroom_nofrag) if left is None else (min(s.headroom, left), min(s.headroom_nofrag, left))
