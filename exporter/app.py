@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import gc
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable
 from decimal import Decimal
 
 from exporter.analysis.accounting import Accountant
+from exporter.analysis.agents import AgentHeadroom, AgentLayout, agent_headroom, agent_views, resolve_agent_layout
 from exporter.analysis.attribution import AttributionTracker, ProcFS
 from exporter.analysis.capacity import CapacityConfig
 from exporter.analysis.liveness import classify_kernels, scan_cgroups
@@ -33,6 +35,7 @@ from exporter.analysis.node import (
     NodeState,
     inventory_from_snapshot,
     live_state,
+    node_state,
     ratio_capacities,
 )
 from exporter.analysis.placement import NoFragRule
@@ -40,6 +43,7 @@ from exporter.analysis.placement import Request as PlacementRequest
 from exporter.metrics.parts import exporter_parts
 from exporter.metrics.registry import ExporterCollector
 from exporter.scratch.allocation import AllocationBook, AllocationView
+from exporter.scratch.identity import UNDEFINED
 from exporter.scratch.reader import Scanner
 from exporter.scratch.watcher import ScratchWatcher
 from exporter.settings import ConfigError, Settings
@@ -74,7 +78,7 @@ def headroom_params(settings: Settings) -> HeadroomParams:
         return HeadroomParams(
             capacity=CapacityConfig(
                 unit_mem_bytes=settings.capacity_unit_mem, unit_proc=settings.capacity_unit_proc,
-                quantum=settings.capacity_quantum, agents=settings.capacity_agents, overrides=overrides,
+                quantum=settings.capacity_quantum, overrides=overrides,
             ),
             mode=settings.headroom_mode,
             rule=NoFragRule(settings.headroom_nofrag_rule),
@@ -93,6 +97,8 @@ class Exporter:
     :param monotonic: seconds for durations (idle and no-process windows).
     :param telemetry: a ready telemetry source (tests pass a fake); by default one is opened
         from ``--telemetry.source`` here.
+    :param layout: the host's agents and scratch roots (the CLI resolves it with agent.toml);
+        by default from the flags alone.
     :raises SourceConfigError: the source cannot be opened (a bad mock file).
     """
 
@@ -103,8 +109,11 @@ class Exporter:
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
         telemetry: TelemetrySource | None = None,
+        layout: AgentLayout | None = None,
     ) -> None:
         self.settings = settings
+        self.layout = layout or resolve_agent_layout(settings, None, None, socket.gethostname())
+        self._agent_views: tuple[int, dict[str, AllocationView]] = (-1, {})
         self.clock = clock
         self.params = headroom_params(settings)
         # Opened now (the mock file is read, NVML probed for ``auto``) so that the telemetry part's
@@ -126,7 +135,7 @@ class Exporter:
         self.scanner = Scanner(self.book, settings.scratch_max_file_bytes)
         self.watcher = ScratchWatcher(
             self.scanner,
-            [str(r) for r in settings.scratch_roots],
+            list(self.layout.roots),
             mode=settings.scratch_watch_mode,
             rescan_interval=settings.scratch_rescan_interval,
             poll_interval=settings.scratch_poll_interval,
@@ -134,11 +143,11 @@ class Exporter:
         )
         self._ready = threading.Event()
         self.collector = ExporterCollector(
-            exporter_parts(self, telemetry_source=self._source.name, agent_id=settings.agent_id,
-                           process_detail=settings.attribution_process_detail),
+            exporter_parts(self, telemetry_source=self._source.name, agent_id=self.layout.default_agent_id,
+                           process_detail=settings.attribution_process_detail, layout=self.layout),
             clock,
         )
-        self.routes = Routes(self, [str(r) for r in settings.scratch_roots], settings.alloc_map_format)
+        self.routes = Routes(self, list(self.layout.roots), settings.alloc_map_format)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -191,7 +200,16 @@ class Exporter:
         if view.version != self._judged[0] or now - self._judged[1] >= STALE_CHECK_SECONDS:
             try:
                 cgroups = scan_cgroups(self.settings.path_cgroupfs)
-                liveness = classify_kernels(view.kernels, cgroups, self.clock(), self.settings.stale_grace)
+                # A kernel without CID= that its agent still keeps in its registry is live.
+                recovery = {
+                    kid: k.identity.agent_id
+                    for kid, k in view.kernels.items()
+                    if k.identity is not None and k.identity.agent_id != UNDEFINED
+                }
+                liveness = classify_kernels(
+                    view.kernels, cgroups, self.clock(), self.settings.stale_grace,
+                    recovery_agents=recovery, host_agents=frozenset(self.layout.agents),
+                )
             except Exception:
                 log.exception("stale-kernel check failed")
                 cgroups, liveness = None, {}
@@ -242,6 +260,26 @@ class Exporter:
         """Devices with capacity and allocation now: what ``simulate`` places requests on."""
         view, snapshot = self.book.view(), self.snapshot()
         return live_state(view, snapshot, self.resolver(view, snapshot), self.params, self.analysis.liveness)
+
+    def agent_views(self) -> dict[str, AllocationView]:
+        """Each host agent's own kernels and alloc map (:func:`agent_views`), once per book version."""
+        view = self.book.view()
+        cached = self._agent_views
+        if cached[0] != view.version:
+            cached = (view.version, agent_views(view, self.layout))
+            self._agent_views = cached  # one tuple swap: a racing reader sees the old or the new
+        return cached[1]
+
+    def agent_headroom(self) -> dict[str, dict[str, AgentHeadroom]]:
+        """Per agent and slot: its reported total and headroom in its own map."""
+        view, snapshot = self.book.view(), self.snapshot()
+        inventory = inventory_from_snapshot(snapshot, self.resolver(view, snapshot))
+        liveness = self.analysis.liveness
+        whole = live_state(view, snapshot, inventory, self.params, liveness)
+        return {
+            agent_id: agent_headroom(whole, node_state(own, inventory, self.params, liveness), self.layout, agent_id)
+            for agent_id, own in self.agent_views().items()
+        }
 
     def render(self, gzipped: bool = False) -> bytes:
         """The current exposition; each part is rendered once per change of what it shows."""

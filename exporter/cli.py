@@ -14,6 +14,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import stat
 import sys
 import tempfile
@@ -26,7 +27,10 @@ from exporter.logs import setup_logging
 from exporter.settings import ENV_PREFIX, ConfigError, Settings, parse_listen_address
 from exporter.telemetry.model import SourceConfigError
 
-__all__ = ["main", "run"]
+__all__ = ["DEFAULT_AGENT_CONFIG", "load_agent_layout", "main", "run"]
+
+# Read when present and no --agent.config is given (the agent's own default location).
+DEFAULT_AGENT_CONFIG = Path("/etc/backend.ai/agent.toml")
 
 log = logging.getLogger("exporter")
 
@@ -43,7 +47,9 @@ def run() -> None:
     sys.exit(main())
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, default_agent_config: Path | None = None) -> int:
+    """Run one command; ``default_agent_config``: the agent.toml read when present and no
+    ``--agent.config`` is given (tests point it elsewhere)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv.pop(0) if argv and argv[0] in COMMANDS else "serve"
     parser = build_parser(command)
@@ -57,13 +63,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     setup_logging(settings.log_level, settings.log_format)
     try:
+        if command != "demo":  # the demo builds its own node; a real one's agent.toml is not its
+            layout = load_agent_layout(settings, default_agent_config or DEFAULT_AGENT_CONFIG)
+            settings = settings.model_copy(update={"scratch_roots": [Path(r) for r in layout.roots]})
         if command == "scan":
             return _scan(settings, extra["cmd_output"])
         if command == "demo":
             return _demo(settings, extra["cmd_dir"], extra["cmd_seed"], extra["cmd_time_scale"])
         if command == "simulate":
-            return _simulate(settings, extra["cmd_request"], extra["cmd_policy"], extra["cmd_state"], extra["cmd_output"])
-        return serve(settings, allow_missing_root=extra["cmd_allow_missing_root"])
+            return _simulate(settings, extra["cmd_request"], extra["cmd_policy"], extra["cmd_state"], extra["cmd_output"], layout)
+        return serve(settings, allow_missing_root=extra["cmd_allow_missing_root"], layout=layout)
     except (ConfigError, SourceConfigError) as exc:
         print(f"gpu-alloc-exporter: {exc}", file=sys.stderr)
         return 2
@@ -120,6 +129,31 @@ def build_parser(command: str) -> argparse.ArgumentParser:
     return parser
 
 
+def load_agent_layout(settings: Settings, default_agent_config: Path = DEFAULT_AGENT_CONFIG):
+    """The host's agents from the flags and agent.toml (``--agent.config``, else
+    ``default_agent_config`` when it exists); see :mod:`exporter.analysis.agents`.
+
+    :raises ConfigError: an unreadable or unusable agent.toml, named with the reason.
+    """
+    from exporter.analysis.agents import resolve_agent_layout
+
+    path = settings.agent_config_file
+    if path is None and default_agent_config.is_file():
+        path = default_agent_config
+    text = None
+    if path is not None:
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise ConfigError(f"{path}: cannot be read: {exc.strerror or exc} (set --agent.config)") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"{path}: not valid UTF-8") from None
+    layout = resolve_agent_layout(settings, text, str(path) if path else None, socket.gethostname())
+    if layout.source:
+        log.info("agents from %s: %s", layout.source, ", ".join(layout.agents) or "none")
+    return layout
+
+
 def _check_roots(settings: Settings, allow_missing: bool) -> None:
     for root in settings.scratch_roots:
         try:
@@ -138,9 +172,10 @@ def _check_roots(settings: Settings, allow_missing: bool) -> None:
 
 
 def serve(settings: Settings, *, allow_missing_root: bool = False, on_ready=None, stop: threading.Event | None = None,
-          telemetry=None) -> int:
+          telemetry=None, layout=None) -> int:
     """Run the exporter until SIGTERM/SIGINT (or ``stop`` is set); ``telemetry``: a ready source
-    instead of the one ``--telemetry.source`` names."""
+    instead of the one ``--telemetry.source`` names; ``layout``: the host's agents (default: from
+    the flags alone)."""
     from exporter.app import Exporter
     from exporter.web.server import HttpServer
     from exporter.web.webconfig import WebConfigError, WebConfigFile
@@ -154,7 +189,7 @@ def serve(settings: Settings, *, allow_missing_root: bool = False, on_ready=None
             web_config.load()  # unknown keys, bad hashes, unreadable certificates: exit 2
         except WebConfigError as exc:
             raise ConfigError(str(exc).replace("\n", " ")) from None
-    exporter = Exporter(settings, telemetry=telemetry)
+    exporter = Exporter(settings, telemetry=telemetry, layout=layout)
     server = HttpServer(exporter.routes, host, port, web_config=web_config)  # routes: some run offloaded
     try:
         server.start()
@@ -200,7 +235,7 @@ def _scan(settings: Settings, output: str) -> int:
     return 0
 
 
-def _simulate(settings: Settings, request: str, policy: str, state_file: str | None, output: str) -> int:
+def _simulate(settings: Settings, request: str, policy: str, state_file: str | None, output: str, layout=None) -> int:
     """Exit 0 when the request would be placed, 1 when it would be rejected, 2 on bad input."""
     from exporter.analysis import simulate as sim
 
@@ -208,7 +243,7 @@ def _simulate(settings: Settings, request: str, policy: str, state_file: str | N
         if state_file:
             state = sim.load_state(state_file)
         else:
-            state = _live_node_state(settings)
+            state = _live_node_state(settings, layout)
         result = sim.simulate(state, request, policy)
     except (OSError, ValueError) as exc:
         raise ConfigError(str(exc)) from None
@@ -216,12 +251,12 @@ def _simulate(settings: Settings, request: str, policy: str, state_file: str | N
     return 0 if result.placed else 1
 
 
-def _live_node_state(settings: Settings):
+def _live_node_state(settings: Settings, layout=None):
     """One scan plus one telemetry sample, as the server would see them."""
     from exporter.app import Exporter
 
     _check_roots(settings, allow_missing=False)
-    exporter = Exporter(settings)
+    exporter = Exporter(settings, layout=layout)
     exporter.start()
     try:
         exporter.sampler.wait_for_version(0, settings.telemetry_timeout * 2)

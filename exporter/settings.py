@@ -47,6 +47,14 @@ class Settings(BaseSettings):
         description="Backend.AI scratch root (the agent's [container] scratch-root); repeat for several agents",
         json_schema_extra=_flag("--scratch.root", repeat=True),
     )
+    scratch_agents: Annotated[list[str], NoDecode] = Field(
+        default=[], description="ROOT=AGENT_ID: a scratch root written by one Backend.AI agent (multi-agent hosts); repeatable, replaces agent.toml's [[agents]]",
+        json_schema_extra=_flag("--scratch.agent", repeat=True),
+    )
+    agent_config_file: Path | None = Field(
+        default=None, description="the Backend.AI agent's agent.toml, for scratch roots, agent ids and allocation mode (default: /etc/backend.ai/agent.toml when present)",
+        json_schema_extra=_flag("--agent.config"),
+    )
     scratch_watch_mode: Literal["inotify", "poll"] = Field(
         default="inotify",
         description="inotify for low latency; poll for filesystems without inotify (NFS, CIFS)",
@@ -124,10 +132,6 @@ class Settings(BaseSettings):
         default=Decimal("0.01"), gt=0, description="allocation quantum in shares (the plugin's quantum_size)",
         json_schema_extra=_flag("--capacity.quantum"),
     )
-    capacity_agents: int = Field(
-        default=1, gt=0, description="agents splitting each device in multi-agent auto-split mode",
-        json_schema_extra=_flag("--capacity.agents"),
-    )
     capacity_overrides: Annotated[list[str], NoDecode] = Field(
         default=[], description="DEVICE_ID=SHARES capacity override; repeatable",
         json_schema_extra=_flag("--capacity.override", repeat=True),
@@ -162,7 +166,7 @@ class Settings(BaseSettings):
         json_schema_extra=_flag("--mig.geometries-file"),
     )
     agent_id: str | None = Field(
-        default=None, description="Backend.AI agent id, exported on gpu_alloc_build_info for joins",
+        default=None, description="Backend.AI agent id (overrides agent.toml's), exported on gpu_alloc_build_info for joins",
         json_schema_extra=_flag("--agent.id"),
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field(
@@ -172,7 +176,7 @@ class Settings(BaseSettings):
         default="logfmt", description="log line format", json_schema_extra=_flag("--log.format"),
     )
 
-    @field_validator("scratch_roots", "capacity_overrides", "headroom_requests", mode="before")
+    @field_validator("scratch_roots", "scratch_agents", "capacity_overrides", "headroom_requests", mode="before")
     @classmethod
     def _split_list(cls, value: Any) -> Any:
         # From the environment: a JSON list or a comma-separated list.

@@ -33,3 +33,11 @@ def _no_thread_leaks():
             return
         time.sleep(0.01)
     pytest.fail(f"leaked threads: {[t.name for t in leaked]}")
+
+
+@pytest.fixture(autouse=True)
+def _no_host_agent_toml(tmp_path_factory, monkeypatch):
+    """In-process runs never read this machine's /etc/backend.ai/agent.toml."""
+    import exporter.cli
+
+    monkeypatch.setattr(exporter.cli, "DEFAULT_AGENT_CONFIG", tmp_path_factory.getbasetemp() / "no-agent.toml")

@@ -113,8 +113,6 @@ class CapacityConfig:
     :param unit_proc: SMs per share (plugin ``unit_proc``, default 8).
     :param quantum: allocation quantum in shares (plugin ``quantum_size``, a multiple of 0.01);
         used by headroom and placement, never by capacity itself.
-    :param agents: multi-agent ``auto-split`` mode divides a fractional capacity among this many
-        agents on the node (1 = one agent, or ``shared`` mode).
     :param overrides: device id → capacity in shares, replacing the computed value (heterogeneous
         nodes, a plugin with other rules).
     """
@@ -122,12 +120,11 @@ class CapacityConfig:
     unit_mem_bytes: int = DEFAULT_UNIT_MEM_BYTES
     unit_proc: int = DEFAULT_UNIT_PROC
     quantum: Decimal = DEFAULT_QUANTUM
-    agents: int = 1
     overrides: Mapping[str, Decimal] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.unit_mem_bytes <= 0 or self.unit_proc <= 0 or self.agents <= 0:
-            raise ValueError("unit_mem_bytes, unit_proc and agents must be positive")
+        if self.unit_mem_bytes <= 0 or self.unit_proc <= 0:
+            raise ValueError("unit_mem_bytes and unit_proc must be positive")
         # The agent computes fractional amounts in hundredths, so a finer quantum means nothing.
         if not self.quantum > 0 or self.quantum % CAPACITY_PRECISION:
             raise ValueError("quantum must be a positive multiple of 0.01")
@@ -140,12 +137,9 @@ def fractional_capacity(memory_total_bytes: int, multiprocessor_count: int, conf
     reproduces its number even where the exact quotient sits on a 0.01 boundary.
     """
     shares = min(memory_total_bytes / config.unit_mem_bytes, multiprocessor_count / config.unit_proc)
-    capacity = Decimal(shares).quantize(CAPACITY_PRECISION, rounding=ROUND_DOWN)
-    if config.agents > 1:
-        # auto-split hands each agent an equal part of every fractional device (inference from
-        # resources.py; the result keeps the plugin's 0.01 precision).
-        capacity = (capacity / config.agents).quantize(CAPACITY_PRECISION, rounding=ROUND_DOWN)
-    return capacity
+    # Every agent of a multi-agent host registers each device's whole capacity in its own map;
+    # ``allocation-mode`` splits only the slot totals it reports (:func:`agent_slot_total`).
+    return Decimal(shares).quantize(CAPACITY_PRECISION, rounding=ROUND_DOWN)
 
 
 def device_capacity(

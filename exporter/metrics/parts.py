@@ -12,8 +12,10 @@ from typing import Protocol
 
 from prometheus_client.core import Metric
 
+from exporter.analysis.agents import AgentHeadroom, AgentLayout
 from exporter.analysis.node import Analysis, HeadroomParams, Inventory, inventory_from_snapshot
 from exporter.metrics.accounting import accounting_families, accounting_health
+from exporter.metrics.agents import agent_families
 from exporter.metrics.allocation import KernelText, allocation_families, kernel_families, unknown_device_families
 from exporter.metrics.attribution import attribution_families, attribution_health
 from exporter.metrics.exporter import build_info, watcher_families
@@ -43,14 +45,22 @@ class NodeReader(Protocol):
 
     def resolver(self, view: AllocationView, snapshot: TelemetrySnapshot) -> DeviceResolver: ...
 
+    def agent_views(self) -> dict[str, AllocationView]: ...
 
-def exporter_parts(node: NodeReader, *, telemetry_source: str, agent_id: str | None, process_detail: bool) -> list[Part]:
+    def agent_headroom(self) -> dict[str, dict[str, AgentHeadroom]]: ...
+
+
+def exporter_parts(
+    node: NodeReader, *, telemetry_source: str, agent_id: str | None, process_detail: bool, layout: AgentLayout | None = None
+) -> list[Part]:
     """Each part with the token its output depends on (see :meth:`ExporterCollector.render`).
 
     :param telemetry_source: the telemetry part's ``collector`` name: the source's own (``nvml``,
         ``mock``, ``none``), fixed for the life of the exporter.
     :param agent_id: the ``agent_id`` label of ``gpu_alloc_build_info``.
     :param process_detail: export per-process attribution series (``--attribution.process-detail``).
+    :param layout: the host's agents; a multi-agent host gets the ``agents`` part (per-agent
+        families), a single-agent one no extra part, so its exposition stays as it was.
     """
     book, watcher = node.book, node.watcher
     kernel_text = KernelText(agent_id)
@@ -85,7 +95,7 @@ def exporter_parts(node: NodeReader, *, telemetry_source: str, agent_id: str | N
         # Headroom depends on the inventory (capacity, MIG layout), not on each sample's readings.
         return (book.version, node.analysis.liveness_version, inventory())
 
-    return [
+    parts = [
         Part("build", lambda: [build_info(agent_id)], lambda: 0),
         Part("scratch", scratch, lambda: book.version, scratch_text, scratch_health),
         Part("watcher", lambda: watcher_families(watcher.status()), watcher.status,
@@ -98,3 +108,6 @@ def exporter_parts(node: NodeReader, *, telemetry_source: str, agent_id: str | N
         Part("accounting", lambda: accounting_families(node.analysis.accounting), lambda: node.analysis.version,
              health=lambda: accounting_health(node.analysis.accounting)),
     ]
+    if layout is not None and layout.multi_agent:
+        parts.append(Part("agents", lambda: agent_families(layout, node.agent_views(), node.agent_headroom()), headroom_token))
+    return parts

@@ -9,6 +9,7 @@ from decimal import Decimal
 from typing import Any, Protocol
 
 from exporter import __version__
+from exporter.analysis.agents import AgentLayout
 from exporter.analysis.node import NodeState
 from exporter.analysis.placement import Policy
 from exporter.analysis.simulate import parse_request, result_document, simulate
@@ -27,9 +28,12 @@ class ServedNode(Protocol):
 
     book: AllocationBook
     watcher: ScratchWatcher
+    layout: AgentLayout
 
     @property
     def ready(self) -> bool: ...
+
+    def agent_views(self) -> dict[str, AllocationView]: ...
 
     def render(self, gzipped: bool = False) -> bytes: ...
 
@@ -93,12 +97,27 @@ class Routes(Router):
     def _alloc_map(self, request: Request) -> Response:
         # absolute: agents before 26.4.8; ratio: 26.4.8+ / 26.8.x (every cuda.* slot / capacity).
         form = request.query.get("format", [self._alloc_map_format])[0]
-        view = self._node.book.view()
+        if form not in ALLOC_MAP_FORMATS:
+            return Response(400, f"format must be one of {', '.join(ALLOC_MAP_FORMATS)}\n".encode())
+        layout = self._node.layout
+        agent = request.query.get("agent", [None])[0]
+        if agent is not None and agent not in layout.agents:
+            known = ", ".join(layout.agents) or "none known (set --agent.id or --agent.config)"
+            return Response(404, f"parameter agent: no agent {agent!r} on this host (agents: {known})\n".encode())
+        if not layout.multi_agent:
+            return _json(self._one_map(self._node.book.view(), form))
+        # Several agents: each answers its own RPC over its own kernels, so the node-wide sum
+        # matches none of them; without ?agent= every agent's map, keyed by agent id.
+        views = self._node.agent_views()
+        if agent is not None:
+            return _json(self._one_map(views[agent], form))
+        return _json({a: self._one_map(views[a], form) for a in layout.agents})
+
+    def _one_map(self, view: AllocationView, form: str) -> dict[str, str]:
         if form == "absolute":
-            return _json(dict(view.alloc_map))
-        if form == "ratio":
-            return _json(view.alloc_map_ratio(self._node.ratio_capacities()))
-        return Response(400, f"format must be one of {', '.join(ALLOC_MAP_FORMATS)}\n".encode())
+            return dict(view.alloc_map)
+        # Every agent registers each device whole: one set of divisors serves them all.
+        return view.alloc_map_ratio(self._node.ratio_capacities())
 
     def _state(self, _: Request) -> Response:
         return Response(200, self._state_text.render(self._node.book.view(), self._roots, self._node.node_state()), JSON)

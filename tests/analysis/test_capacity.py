@@ -9,6 +9,7 @@ import pytest
 from exporter.analysis.capacity import (
     CapacityConfig,
     GpuInventory,
+    agent_slot_total,
     device_capacity,
     fractional_capacity,
     is_device_slot,
@@ -48,9 +49,12 @@ def test_unit_mem_and_unit_proc_are_configurable() -> None:
     assert fractional_capacity(40 * GiB, 108, config) == Decimal("10")
 
 
-def test_auto_split_divides_among_agents() -> None:
-    assert fractional_capacity(40 * GiB, 108, CapacityConfig(agents=2)) == Decimal("6.75")
-    assert fractional_capacity(40 * GiB, 108, CapacityConfig(agents=4)) == Decimal("3.37")
+def test_each_agent_keeps_the_whole_device_in_its_map() -> None:
+    # Multi-agent modes split the slot totals an agent reports (agent_slot_total), never a
+    # device's capacity: every agent's allocation map holds each device whole.
+    assert not hasattr(CapacityConfig(), "agents")
+    assert fractional_capacity(40 * GiB, 108, CapacityConfig()) == Decimal("13.5")
+    assert agent_slot_total("auto-split", "cuda.shares", Decimal("27"), 2, 1) == Decimal("13.5")
 
 
 @pytest.mark.parametrize("slot", ["cuda.device", "rocm.device", "cuda.device:1g.10gb-mig", "cuda.mig-2g.20gb"])
@@ -86,7 +90,7 @@ def test_slot_classes() -> None:
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"unit_mem_bytes": 0}, {"unit_proc": -1}, {"agents": 0}, {"quantum": Decimal(0)}, {"quantum": Decimal("0.005")}],
+    [{"unit_mem_bytes": 0}, {"unit_proc": -1}, {"quantum": Decimal(0)}, {"quantum": Decimal("0.005")}],
 )
 def test_config_rejects_nonsense(kwargs: dict) -> None:
     with pytest.raises(ValueError):
