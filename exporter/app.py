@@ -24,7 +24,15 @@ from collections.abc import Callable
 from decimal import Decimal
 
 from exporter.analysis.accounting import Accountant
-from exporter.analysis.agents import AgentHeadroom, AgentLayout, agent_headroom, agent_views, resolve_agent_layout
+from exporter.analysis.agents import (
+    AgentFlags,
+    AgentHeadroom,
+    AgentLayout,
+    AgentLayoutError,
+    agent_headroom,
+    agent_views,
+    resolve_agent_layout,
+)
 from exporter.analysis.attribution import AttributionTracker, ProcFS
 from exporter.analysis.capacity import CapacityConfig
 from exporter.analysis.liveness import classify_kernels, scan_cgroups
@@ -55,7 +63,7 @@ from exporter.telemetry.sources import open_source
 from exporter.web.routes import Routes
 from exporter.web.server import Request, Response
 
-__all__ = ["Exporter", "headroom_params"]
+__all__ = ["Exporter", "agent_layout", "headroom_params"]
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +98,23 @@ def headroom_params(settings: Settings) -> HeadroomParams:
         raise ConfigError(str(exc).replace("\n", " ")) from None
 
 
+def agent_layout(settings: Settings, agent_toml: str | None, source: str | None, hostname: str) -> AgentLayout:
+    """The host's agents from the flags and agent.toml's text (see :mod:`exporter.analysis.agents`).
+
+    :raises ConfigError: one line naming the flag or file and the reason.
+    """
+    flags = AgentFlags(
+        scratch_roots=tuple(str(r) for r in settings.scratch_roots),
+        roots_given="scratch_roots" in settings.model_fields_set,
+        scratch_agents=tuple(settings.scratch_agents),
+        agent_id=settings.agent_id,
+    )
+    try:
+        return resolve_agent_layout(flags, agent_toml, source, hostname)
+    except AgentLayoutError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 class Exporter:
     """One exporter: call :meth:`start`, serve :meth:`handle`, then :meth:`close`.
 
@@ -112,7 +137,7 @@ class Exporter:
         layout: AgentLayout | None = None,
     ) -> None:
         self.settings = settings
-        self.layout = layout or resolve_agent_layout(settings, None, None, socket.gethostname())
+        self.layout = layout or agent_layout(settings, None, None, socket.gethostname())
         self._agent_views: tuple[int, dict[str, AllocationView]] = (-1, {})
         self.clock = clock
         self.params = headroom_params(settings)

@@ -135,7 +135,7 @@ def load_agent_layout(settings: Settings, default_agent_config: Path = DEFAULT_A
 
     :raises ConfigError: an unreadable or unusable agent.toml, named with the reason.
     """
-    from exporter.analysis.agents import resolve_agent_layout
+    from exporter.app import agent_layout
 
     path = settings.agent_config_file
     if path is None and default_agent_config.is_file():
@@ -148,7 +148,7 @@ def load_agent_layout(settings: Settings, default_agent_config: Path = DEFAULT_A
             raise ConfigError(f"{path}: cannot be read: {exc.strerror or exc} (set --agent.config)") from None
         except UnicodeDecodeError:
             raise ConfigError(f"{path}: not valid UTF-8") from None
-    layout = resolve_agent_layout(settings, text, str(path) if path else None, socket.gethostname())
+    layout = agent_layout(settings, text, str(path) if path else None, socket.gethostname())
     if layout.source:
         log.info("agents from %s: %s", layout.source, ", ".join(layout.agents) or "none")
     return layout

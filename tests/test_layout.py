@@ -41,6 +41,8 @@ ONLY = {
 }
 ONLY_LAYERS = {
     "prometheus_client": {"exporter.metrics", "exporter.web"},
+    # The configuration is read by the wiring only: data sources and analysis take plain values.
+    "exporter.settings": {"exporter.app", "exporter.cli", "exporter.demo"},
 }
 
 
@@ -113,7 +115,7 @@ def violations(package: Path) -> list[str]:
             if top == lib and e.module not in allowed:
                 found.append(f"{e}: only {', '.join(sorted(allowed))} may import {lib}")
         for lib, layers in ONLY_LAYERS.items():
-            if top == lib and layer(e.module) not in layers:
+            if (top == lib or e.target == lib or e.target.startswith(lib + ".")) and layer(e.module) not in layers:
                 found.append(f"{e}: only {' and '.join(sorted(layers))} may import {lib}")
     found += [f"import cycle: {' -> '.join(c)}" for c in cycles(edges, name)]
     return found

@@ -14,8 +14,8 @@ import pytest
 from helpers import GOLDEN
 from test_cli import Running
 
-from exporter.analysis.agents import resolve_agent_layout
 from exporter.app import Exporter
+from exporter.app import agent_layout as resolve_agent_layout
 from exporter.cli import main
 from exporter.demo import write_kernel, write_recovery
 from exporter.settings import Settings

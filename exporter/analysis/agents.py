@@ -29,13 +29,32 @@ from exporter.analysis.placement import DeviceFree
 from exporter.scratch.agent_config import AgentConfigError, AgentToml, parse_agent_config
 from exporter.scratch.allocation import AllocationView, Kernel, KernelState, absolute_alloc_map, is_accelerator_slot
 from exporter.scratch.identity import UNDEFINED
-from exporter.settings import ConfigError, Settings
 
 # Stands for the agent's working directory where flags name the roots: never an absolute path, so
 # never one of the roots read.
 _UNKNOWN_DIR = "<agent working directory>"
 
-__all__ = ["AgentHeadroom", "AgentLayout", "agent_headroom", "agent_views", "resolve_agent_layout"]
+__all__ = ["AgentFlags", "AgentHeadroom", "AgentLayout", "AgentLayoutError", "agent_headroom", "agent_views", "resolve_agent_layout"]
+
+
+class AgentLayoutError(ValueError):
+    """Flags and agent.toml that describe no usable layout; one line naming the flag or file."""
+
+
+@dataclass(frozen=True)
+class AgentFlags:
+    """What the command line says about agents (the app builds this from its settings).
+
+    :param scratch_roots: ``--scratch.root`` values, or their default when ``roots_given`` is False.
+    :param roots_given: whether ``--scratch.root`` was set explicitly (it then wins over agent.toml).
+    :param scratch_agents: ``--scratch.agent ROOT=AGENT_ID`` values.
+    :param agent_id: ``--agent.id``, or None.
+    """
+
+    scratch_roots: tuple[str, ...]
+    roots_given: bool = False
+    scratch_agents: tuple[str, ...] = ()
+    agent_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -85,26 +104,26 @@ class AgentLayout:
         return tuple(r for r in self.roots if self.bindings.get(r, agent_id) == agent_id)
 
 
-def resolve_agent_layout(settings: Settings, agent_toml: str | None, source: str | None, hostname: str) -> AgentLayout:
+def resolve_agent_layout(flags: AgentFlags, agent_toml: str | None, source: str | None, hostname: str) -> AgentLayout:
     """The layout the flags and agent.toml describe (see the module docstring for precedence).
 
     :param agent_toml: agent.toml's text, or None when none is read.
     :param source: its path, for error messages.
-    :raises ConfigError: one line naming the file or flag and the reason.
+    :raises AgentLayoutError: one line naming the file or flag and the reason.
     """
     toml: AgentToml | None = None
     # A relative scratch-root (the agent's default ./scratches) cannot be located from outside the
     # agent; that only matters when no flag names the roots.
-    roots_given = bool(settings.scratch_agents) or "scratch_roots" in settings.model_fields_set
+    roots_given = bool(flags.scratch_agents) or flags.roots_given
     if agent_toml is not None:
         try:
             toml = parse_agent_config(
                 agent_toml, source or "agent.toml", working_dir=_UNKNOWN_DIR if roots_given else None
             ).with_default_ids(hostname)
         except AgentConfigError as exc:
-            raise ConfigError(str(exc).replace("\n", " ")) from None
+            raise AgentLayoutError(str(exc).replace("\n", " ")) from None
 
-    explicit = _parse_bindings(settings.scratch_agents)
+    explicit = _parse_bindings(flags.scratch_agents)
     mode = toml.allocation_mode if toml else "shared"
     allocations: dict[str, Mapping[str, Decimal]] = {}
     if explicit:
@@ -118,21 +137,21 @@ def resolve_agent_layout(settings: Settings, agent_toml: str | None, source: str
         pairs = []
 
     agents = tuple(dict.fromkeys(i for _, i in pairs))
-    if settings.agent_id is not None:
+    if flags.agent_id is not None:
         if len(agents) > 1:
-            raise ConfigError(
+            raise AgentLayoutError(
                 f"--agent.id names one agent but {_where(explicit, source)} names {len(agents)}; "
                 "tie roots to agents with --scratch.agent ROOT=AGENT_ID"
             )
-        agents = (settings.agent_id,)
-        pairs = [(root, settings.agent_id) for root, _ in pairs]
+        agents = (flags.agent_id,)
+        pairs = [(root, flags.agent_id) for root, _ in pairs]
 
-    if "scratch_roots" in settings.model_fields_set or not pairs:
-        roots = [str(r) for r in settings.scratch_roots]
+    if flags.roots_given or not pairs:
+        roots = list(flags.scratch_roots)
     else:
         roots = []
     for root, _ in pairs:
-        if root not in roots and Path(root).is_absolute() and (explicit or "scratch_roots" not in settings.model_fields_set):
+        if root not in roots and Path(root).is_absolute() and (explicit or not flags.roots_given):
             roots.append(root)
 
     by_root: dict[str, set[str]] = {}
@@ -151,14 +170,14 @@ def resolve_agent_layout(settings: Settings, agent_toml: str | None, source: str
     )
 
 
-def _parse_bindings(items: list[str]) -> list[tuple[str, str]]:
+def _parse_bindings(items: tuple[str, ...]) -> list[tuple[str, str]]:
     out = []
     for item in items:
         root, sep, agent_id = item.rpartition("=")
         if not sep or not root or not agent_id.strip() or any(c.isspace() for c in agent_id):
-            raise ConfigError(f"--scratch.agent expects ROOT=AGENT_ID, got {item!r}")
+            raise AgentLayoutError(f"--scratch.agent expects ROOT=AGENT_ID, got {item!r}")
         if not Path(root).is_absolute():
-            raise ConfigError(f"--scratch.agent root {root!r} must be an absolute path")
+            raise AgentLayoutError(f"--scratch.agent root {root!r} must be an absolute path")
         out.append((str(Path(root)), agent_id))
     return out
 
