@@ -48,6 +48,7 @@ from exporter.telemetry.mig import parse_hami_geometries
 from exporter.telemetry.model import TelemetrySnapshot, TelemetrySource
 from exporter.telemetry.sampler import TelemetrySampler
 from exporter.telemetry.sources import open_source
+from exporter.units import bounded, parse_decimal
 from exporter.web.routes import Routes
 from exporter.web.server import Request, Response
 
@@ -59,31 +60,56 @@ log = logging.getLogger(__name__)
 STALE_CHECK_SECONDS = 30.0
 
 
+def _cut(text: str, limit: int = 80) -> str:
+    # A flag's value, quoted back to the person who typed it: cut, so one line stays one line.
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
 def headroom_params(settings: Settings) -> HeadroomParams:
-    """Headroom settings from the flags; raises ConfigError for unusable values."""
-    try:
-        overrides = {}
-        for item in settings.capacity_overrides:
-            device_id, sep, shares = item.rpartition("=")
-            if not sep or not device_id:
-                raise ValueError(f"--capacity.override expects DEVICE_ID=SHARES, got {item!r}")
-            overrides[device_id] = Decimal(shares)
-        hami = ()
-        if settings.mig_geometries_file is not None:
-            hami = tuple(parse_hami_geometries(settings.mig_geometries_file.read_text()))
-        return HeadroomParams(
-            capacity=CapacityConfig(
-                unit_mem_bytes=settings.capacity_unit_mem, unit_proc=settings.capacity_unit_proc,
-                quantum=settings.capacity_quantum, agents=settings.capacity_agents, overrides=overrides,
-            ),
-            mode=settings.headroom_mode,
-            rule=NoFragRule(settings.headroom_nofrag_rule),
-            requests=tuple(PlacementRequest.parse(r) for r in settings.headroom_requests) or DEFAULT_REQUESTS,
-            exclude_stale=settings.headroom_exclude_stale,
-            hami=hami,
-        )
-    except (ValueError, ArithmeticError, OSError) as exc:
-        raise ConfigError(str(exc).replace("\n", " ")) from None
+    """Headroom settings from the flags; raises ConfigError naming the flag (or file) and the reason."""
+    overrides: dict[str, Decimal] = {}
+    for item in settings.capacity_overrides:
+        device_id, sep, shares = item.rpartition("=")
+        if not sep or not device_id.strip() or not shares.strip():
+            raise ConfigError(f"--capacity.override {_cut(item)!r}: expected DEVICE_ID=SHARES, e.g. GPU-8e3c…=13.5")
+        try:
+            overrides[device_id.strip()] = parse_decimal(shares.strip())
+        except ValueError:
+            raise ConfigError(
+                f"--capacity.override {_cut(item)!r}: SHARES must be a finite, non-negative number of shares"
+            ) from None
+    requests = []
+    for item in settings.headroom_requests:
+        try:
+            request = PlacementRequest.parse(item)
+            bounded(request.amount, item)
+        except ValueError as exc:
+            raise ConfigError(f"--headroom.request {_cut(item)!r}: {exc}") from None
+        requests.append(request)
+    hami = ()
+    if settings.mig_geometries_file is not None:
+        path = settings.mig_geometries_file
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"--mig.geometries-file {path}: cannot read the file ({exc.strerror or 'unreadable'})") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"--mig.geometries-file {path}: not UTF-8 text") from None
+        try:
+            hami = tuple(parse_hami_geometries(text))
+        except ValueError as exc:
+            raise ConfigError(f"--mig.geometries-file {path}: {exc}") from None
+    return HeadroomParams(
+        capacity=CapacityConfig(
+            unit_mem_bytes=settings.capacity_unit_mem, unit_proc=settings.capacity_unit_proc,
+            quantum=settings.capacity_quantum, agents=settings.capacity_agents, overrides=overrides,
+        ),
+        mode=settings.headroom_mode,
+        rule=NoFragRule(settings.headroom_nofrag_rule),
+        requests=tuple(requests) or DEFAULT_REQUESTS,
+        exclude_stale=settings.headroom_exclude_stale,
+        hami=hami,
+    )
 
 
 class Exporter:
