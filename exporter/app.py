@@ -19,13 +19,13 @@ import gc
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from decimal import Decimal
 
 from exporter.analysis.accounting import Accountant
 from exporter.analysis.attribution import AttributionTracker, ProcFS
 from exporter.analysis.capacity import CapacityConfig
-from exporter.analysis.liveness import classify_kernels, scan_cgroups
+from exporter.analysis.liveness import KernelLiveness, Liveness, classify_kernels, scan_cgroups
 from exporter.analysis.node import (
     DEFAULT_REQUESTS,
     Analysis,
@@ -58,6 +58,7 @@ log = logging.getLogger(__name__)
 
 # Staleness moves on a scale of minutes: re-judged on a kernel change, else every this many seconds.
 STALE_CHECK_SECONDS = 30.0
+_LOG_KERNELS = 5  # kernels named in one stale-change log line; the rest are counted
 
 
 def _cut(text: str, limit: int = 80) -> str:
@@ -222,6 +223,7 @@ class Exporter:
                 log.exception("stale-kernel check failed")
                 cgroups, liveness = None, {}
             self._judged = (view.version, now)
+            self._log_stale_changes(prev.liveness, liveness)
         resolver = self.resolver(view, snapshot)
         try:
             attribution = self._tracker.update(snapshot, view.kernels.values(), resolver)
@@ -236,6 +238,21 @@ class Exporter:
         visible = cgroups.visible if cgroups else None
         moved = liveness != prev.liveness or visible != (prev.cgroups.visible if prev.cgroups else None)
         self.analysis = Analysis(prev.version + 1, prev.liveness_version + moved, cgroups, liveness, attribution, accounting)
+
+    def _log_stale_changes(self, before: Mapping[str, KernelLiveness], after: Mapping[str, KernelLiveness]) -> None:
+        """Say once, when it happens, that kernels' allocations leave (or rejoin) the allocated and
+        headroom figures: an operator comparing them with the agent's map needs to know why."""
+        became = sorted(k for k, v in after.items() if v.status is Liveness.STALE and (k not in before or before[k].status is not Liveness.STALE))
+        back = sorted(k for k, v in before.items() if v.status is Liveness.STALE and k in after and after[k].status is not Liveness.STALE)
+        excluded = self.settings.headroom_exclude_stale
+        effect = ("left out of the allocated and headroom figures" if excluded
+                  else "still counted in the allocated and headroom figures (--no-headroom.exclude-stale)")
+        for kernels, what, verb in ((became, "stale", effect), (back, "live again", "counted again")):
+            if not kernels or (what == "live again" and not excluded):
+                continue
+            shown = ", ".join(f"{k} ({after[k].reason})" for k in kernels[:_LOG_KERNELS])
+            more = f" and {len(kernels) - _LOG_KERNELS} more" if len(kernels) > _LOG_KERNELS else ""
+            log.info("%d kernel(s) %s, their allocations %s: %s%s", len(kernels), what, verb, shown, more)
 
     def resolver(self, view: AllocationView, snapshot: TelemetrySnapshot) -> DeviceResolver:
         """How this node's device ids map to the snapshot's devices."""

@@ -170,6 +170,8 @@ def _amount(value: Any, where: str) -> Decimal:
 _FIGURES = (  # (label, SlotHeadroom attribute)
     ("headroom, fragmentation allowed", "headroom"),
     ("headroom, fragmentation disallowed", "headroom_nofrag"),
+    ("every size fits up to, allowed", "contiguous"),
+    ("every size fits up to, disallowed", "contiguous_nofrag"),
     ("largest free on one device", "max_single_device_free"),
     ("whole free devices", "whole_free_devices"),
     ("fragmentation ratio", "fragmentation_ratio"),
