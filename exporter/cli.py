@@ -66,6 +66,7 @@ _GROUPS = {
     "path": "host paths",
     "attribution": "process attribution",
     "capacity": "capacity (the fractional plugin's settings)",
+    "alloc-map": "alloc map (the agent's gpu_alloc_map)",
     "headroom": "headroom",
     "stale": "stale kernels",
     "mig": "MIG",

@@ -210,9 +210,8 @@ def test_a_bad_environment_variable_is_named(capsys, monkeypatch, tmp_path: Path
 
 
 def test_a_forced_nvml_source_that_cannot_start_is_exit_2_and_auto_falls_back(capsys, tmp_path: Path) -> None:
-    from exporter.telemetry.nvml.simulated import FakeNvml
-
     from exporter.telemetry.model import NullSource
+    from exporter.telemetry.nvml.simulated import FakeNvml
     from exporter.telemetry.sources import open_source
 
     with FakeNvml.dgx_a100().installed() as machine:
