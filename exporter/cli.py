@@ -170,7 +170,7 @@ def build_parser(command: str) -> argparse.ArgumentParser:
     if shown is not None:
         epilog = f"Every flag of '{PROG} --help' is accepted too, so one config file serves every command. " + epilog
     parser = _Parser(
-        prog=prog, usage=usage, description=description, epilog=epilog, formatter_class=_Formatter,
+        prog=prog, usage=usage, description=description, epilog=epilog, formatter_class=_Formatter, allow_abbrev=False,
         argument_default=argparse.SUPPRESS,
     )
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
