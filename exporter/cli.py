@@ -39,7 +39,7 @@ PROG = "gpu-alloc-exporter"
 
 COMMANDS = {
     "serve": "watch the scratch roots and serve /metrics and the JSON API (the default)",
-    "demo": "serve a sample node: a scratch root with kernels and mock GPUs",
+    "demo": "serve a living sample node: simulated GPUs, sessions that come and go, planted faults",
     "scan": "print the allocation once and exit",
     "simulate": "show where a request would be placed, and what would remain",
 }
