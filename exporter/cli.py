@@ -475,7 +475,10 @@ def _demo_still(settings: Settings, base: Path) -> int:
 
     root, cgroups = base / "scratches", base / "cgroup"
     build_demo_tree(root, cgroups)
-    settings = settings.model_copy(update={"scratch_roots": [root], "path_cgroupfs": cgroups, "stale_grace": 60.0})
+    update: dict[str, Any] = {"scratch_roots": [root], "path_cgroupfs": cgroups, "stale_grace": 60.0}
+    if "telemetry_source" not in settings.model_fields_set:  # a device file given means: serve those devices
+        update["telemetry_source"] = "mock"
+    settings = settings.model_copy(update=update)
 
     def announce(exporter, server) -> None:
         print(f"gpu-alloc-exporter demo: sample scratch root at {root}, mock devices from {settings.telemetry_mock_file}", flush=True)

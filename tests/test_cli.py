@@ -368,8 +368,11 @@ def test_demo_is_a_living_node_and_says_what_will_happen(tmp_path: Path) -> None
 def test_demo_with_mock_devices_builds_a_still_tree_and_serves_it(tmp_path: Path) -> None:
     from exporter.telemetry.mock import DEMO_DEVICES_FILE
 
-    _, alloc, state, _ = _run_demo("--demo.dir", str(tmp_path / "d"), "--telemetry.mock-file", str(DEMO_DEVICES_FILE))
+    _, alloc, state, metrics = _run_demo("--demo.dir", str(tmp_path / "d"), "--telemetry.mock-file", str(DEMO_DEVICES_FILE))
     assert len(alloc) >= 4
+    # The device file is served (no --telemetry.source needed): capacity and the gaps in headroom.
+    assert 'gpu_alloc_node_headroom{fragmentation="disallowed",slot="cuda.shares"} 14.51' in metrics
+    assert 'gpu_alloc_node_headroom_contiguous{fragmentation="disallowed",slot="cuda.shares"} 9.5' in metrics
     states = state["kernel_states"]
     assert states["ok"] >= 10 and states["pending"] == 1
     slots = {a["slot"] for k in state["kernels"] for a in k["allocations"]}
