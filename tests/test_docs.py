@@ -140,3 +140,25 @@ def test_the_readme_examples_work_against_the_demo(tmp_path: Path) -> None:
         demo.terminate()
         assert demo.wait(10) == 0
         demo.stdout.close()
+
+
+def test_the_documented_mistakes_print_what_the_docs_say(tmp_path: Path) -> None:
+    """docs/configuration.md quotes the one-line answers to mistakes: they are the real ones."""
+    text = (DOCS / "configuration.md").read_text()
+    block = text[text.index("## Mistakes and exit status"):]
+    block = re.search(r"```\n(.*?)```", block, flags=re.S).group(1)
+    pairs = re.findall(r"^\$ (.+?)(?:\s+#.*)?\n(.+)$", block, flags=re.M)
+    assert len(pairs) >= 3
+    (tmp_path / "saved.json").write_text("{}")
+    (tmp_path / "root").mkdir()
+    checked = 0
+    for command, answer in pairs:
+        argv = shlex.split(command)
+        if "nvml" in argv:
+            continue  # depends on this machine's driver; tests/test_cli.py covers it with the simulated library
+        argv = [sys.executable, "-m", "exporter", *argv[1:], "--scratch.root", str(tmp_path / "root"),
+                "--web.listen-address", "127.0.0.1:0"]
+        proc = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+        assert (proc.returncode, proc.stderr) == (2, answer + "\n"), command
+        checked += 1
+    assert checked >= 2
