@@ -20,7 +20,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from decimal import Decimal
 
 from exporter.analysis.accounting import Accountant
@@ -35,7 +35,7 @@ from exporter.analysis.agents import (
 )
 from exporter.analysis.attribution import AttributionTracker, ProcFS
 from exporter.analysis.capacity import CapacityConfig
-from exporter.analysis.liveness import classify_kernels, scan_cgroups
+from exporter.analysis.liveness import KernelLiveness, Liveness, classify_kernels, scan_cgroups
 from exporter.analysis.node import (
     DEFAULT_REQUESTS,
     Analysis,
@@ -60,6 +60,7 @@ from exporter.telemetry.mig import parse_hami_geometries
 from exporter.telemetry.model import TelemetrySnapshot, TelemetrySource
 from exporter.telemetry.sampler import TelemetrySampler
 from exporter.telemetry.sources import open_source
+from exporter.units import bounded, parse_decimal
 from exporter.web.routes import Routes
 from exporter.web.server import Request, Response
 
@@ -69,33 +70,59 @@ log = logging.getLogger(__name__)
 
 # Staleness moves on a scale of minutes: re-judged on a kernel change, else every this many seconds.
 STALE_CHECK_SECONDS = 30.0
+_LOG_KERNELS = 5  # kernels named in one stale-change log line; the rest are counted
+
+
+def _cut(text: str, limit: int = 80) -> str:
+    # A flag's value, quoted back to the person who typed it: cut, so one line stays one line.
+    return text if len(text) <= limit else text[:limit] + "…"
 
 
 def headroom_params(settings: Settings) -> HeadroomParams:
-    """Headroom settings from the flags; raises ConfigError for unusable values."""
-    try:
-        overrides = {}
-        for item in settings.capacity_overrides:
-            device_id, sep, shares = item.rpartition("=")
-            if not sep or not device_id:
-                raise ValueError(f"--capacity.override expects DEVICE_ID=SHARES, got {item!r}")
-            overrides[device_id] = Decimal(shares)
-        hami = ()
-        if settings.mig_geometries_file is not None:
-            hami = tuple(parse_hami_geometries(settings.mig_geometries_file.read_text()))
-        return HeadroomParams(
-            capacity=CapacityConfig(
-                unit_mem_bytes=settings.capacity_unit_mem, unit_proc=settings.capacity_unit_proc,
-                quantum=settings.capacity_quantum, overrides=overrides,
-            ),
-            mode=settings.headroom_mode,
-            rule=NoFragRule(settings.headroom_nofrag_rule),
-            requests=tuple(PlacementRequest.parse(r) for r in settings.headroom_requests) or DEFAULT_REQUESTS,
-            exclude_stale=settings.headroom_exclude_stale,
-            hami=hami,
-        )
-    except (ValueError, ArithmeticError, OSError) as exc:
-        raise ConfigError(str(exc).replace("\n", " ")) from None
+    """Headroom settings from the flags; raises ConfigError naming the flag (or file) and the reason."""
+    overrides: dict[str, Decimal] = {}
+    for item in settings.capacity_overrides:
+        device_id, sep, shares = item.rpartition("=")
+        if not sep or not device_id.strip() or not shares.strip():
+            raise ConfigError(f"--capacity.override {_cut(item)!r}: expected DEVICE_ID=SHARES, e.g. GPU-8e3c…=13.5")
+        try:
+            overrides[device_id.strip()] = parse_decimal(shares.strip())
+        except ValueError:
+            raise ConfigError(
+                f"--capacity.override {_cut(item)!r}: SHARES must be a finite, non-negative number of shares"
+            ) from None
+    requests = []
+    for item in settings.headroom_requests:
+        try:
+            request = PlacementRequest.parse(item)
+            bounded(request.amount, item)
+        except ValueError as exc:
+            raise ConfigError(f"--headroom.request {_cut(item)!r}: {exc}") from None
+        requests.append(request)
+    hami = ()
+    if settings.mig_geometries_file is not None:
+        path = settings.mig_geometries_file
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"--mig.geometries-file {path}: cannot read the file ({exc.strerror or 'unreadable'})") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"--mig.geometries-file {path}: not UTF-8 text") from None
+        try:
+            hami = tuple(parse_hami_geometries(text))
+        except ValueError as exc:
+            raise ConfigError(f"--mig.geometries-file {path}: {exc}") from None
+    return HeadroomParams(
+        capacity=CapacityConfig(
+            unit_mem_bytes=settings.capacity_unit_mem, unit_proc=settings.capacity_unit_proc,
+            quantum=settings.capacity_quantum, overrides=overrides,
+        ),
+        mode=settings.headroom_mode,
+        rule=NoFragRule(settings.headroom_nofrag_rule),
+        requests=tuple(requests) or DEFAULT_REQUESTS,
+        exclude_stale=settings.headroom_exclude_stale,
+        hami=hami,
+    )
 
 
 def agent_layout(settings: Settings, agent_toml: str | None, source: str | None, hostname: str) -> AgentLayout:
@@ -239,6 +266,7 @@ class Exporter:
                 log.exception("stale-kernel check failed")
                 cgroups, liveness = None, {}
             self._judged = (view.version, now)
+            self._log_stale_changes(prev.liveness, liveness)
         resolver = self.resolver(view, snapshot)
         try:
             attribution = self._tracker.update(snapshot, view.kernels.values(), resolver)
@@ -253,6 +281,21 @@ class Exporter:
         visible = cgroups.visible if cgroups else None
         moved = liveness != prev.liveness or visible != (prev.cgroups.visible if prev.cgroups else None)
         self.analysis = Analysis(prev.version + 1, prev.liveness_version + moved, cgroups, liveness, attribution, accounting)
+
+    def _log_stale_changes(self, before: Mapping[str, KernelLiveness], after: Mapping[str, KernelLiveness]) -> None:
+        """Say once, when it happens, that kernels' allocations leave (or rejoin) the allocated and
+        headroom figures: an operator comparing them with the agent's map needs to know why."""
+        became = sorted(k for k, v in after.items() if v.status is Liveness.STALE and (k not in before or before[k].status is not Liveness.STALE))
+        back = sorted(k for k, v in before.items() if v.status is Liveness.STALE and k in after and after[k].status is not Liveness.STALE)
+        excluded = self.settings.headroom_exclude_stale
+        effect = ("left out of the allocated and headroom figures" if excluded
+                  else "still counted in the allocated and headroom figures (--no-headroom.exclude-stale)")
+        for kernels, what, verb in ((became, "stale", effect), (back, "live again", "counted again")):
+            if not kernels or (what == "live again" and not excluded):
+                continue
+            shown = ", ".join(f"{k} ({after[k].reason})" for k in kernels[:_LOG_KERNELS])
+            more = f" and {len(kernels) - _LOG_KERNELS} more" if len(kernels) > _LOG_KERNELS else ""
+            log.info("%d kernel(s) %s, their allocations %s: %s%s", len(kernels), what, verb, shown, more)
 
     def resolver(self, view: AllocationView, snapshot: TelemetrySnapshot) -> DeviceResolver:
         """How this node's device ids map to the snapshot's devices."""

@@ -1,8 +1,13 @@
-"""Command line: ``gpu-alloc-exporter [serve] | demo | scan``.
+"""Command line: ``gpu-alloc-exporter [serve] | demo | scan | simulate``.
 
 Flags are generated from :class:`exporter.settings.Settings`; ``--help`` shows each one's
-environment variable. ``main(argv)`` returns the exit status: 0 on a clean stop, 2 for unusable
-configuration (one line on stderr), 1 for anything unexpected.
+placeholder, default and environment variable, grouped by prefix. Every command accepts every
+setting (one config file serves them all) but its ``--help`` shows only the ones it uses.
+
+``main(argv)`` returns the exit status: 0 on a clean stop, 2 for unusable configuration or a bad
+command line (one line on stderr naming the flag or file and the reason), 1 for anything
+unexpected (and, for ``simulate``, for a request the node would reject). A closed output pipe
+(``scan --output json | head``) is not an error.
 """
 
 from __future__ import annotations
@@ -19,26 +24,70 @@ import stat
 import sys
 import tempfile
 import threading
+import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from exporter import __version__
 from exporter.logs import setup_logging
 from exporter.settings import ENV_PREFIX, ConfigError, Settings, parse_listen_address
 from exporter.telemetry.model import SourceConfigError
 
-__all__ = ["DEFAULT_AGENT_CONFIG", "load_agent_layout", "main", "run"]
+__all__ = ["COMMANDS", "DEFAULT_AGENT_CONFIG", "build_parser", "load_agent_layout", "main", "run"]
 
 # Read when present and no --agent.config is given (the agent's own default location).
 DEFAULT_AGENT_CONFIG = Path("/etc/backend.ai/agent.toml")
 
 log = logging.getLogger("exporter")
+PROG = "gpu-alloc-exporter"
 
 COMMANDS = {
-    "serve": "watch the scratch roots and serve metrics (the default)",
-    "demo": "build a realistic sample scratch root and serve it",
-    "scan": "print the current allocation once and exit",
-    "simulate": "show where a request would be placed (live scratch roots or a saved /api/v1/state)",
+    "serve": "watch the scratch roots and serve /metrics and the JSON API (the default)",
+    "demo": "serve a living sample node: simulated GPUs, sessions that come and go, planted faults",
+    "scan": "print the allocation once and exit",
+    "simulate": "show where a request would be placed, and what would remain",
+}
+_USAGE = {
+    "serve": "[serve] [FLAGS]",
+    "demo": "demo [FLAGS]",
+    "scan": "scan [--output {table,json}] [FLAGS]",
+    "simulate": "simulate --request SLOT=AMOUNT [--policy POLICY] [--state FILE] [FLAGS]",
+}
+# The settings each command's --help shows (flag prefixes or whole flags); the rest are accepted
+# but hidden, so one config file serves every command.
+_SHOWN: dict[str, tuple[str, ...] | None] = {
+    "serve": None,  # everything
+    "demo": ("--web.", "--telemetry.mock-file", "--log."),
+    "scan": ("--scratch.root", "--scratch.max-file-bytes", "--log."),
+    "simulate": ("--scratch.root", "--telemetry.source", "--telemetry.mock-file", "--device.", "--capacity.",
+                 "--headroom.mode", "--headroom.nofrag-rule", "--headroom.exclude-stale", "--stale.", "--path.cgroupfs"),
+}
+_GROUPS = {
+    "scratch": "scratch tree",
+    "web": "HTTP",
+    "telemetry": "device telemetry",
+    "device": "device ids",
+    "path": "host paths",
+    "attribution": "process attribution",
+    "capacity": "capacity (the fractional plugin's settings)",
+    "alloc-map": "alloc map (the agent's gpu_alloc_map)",
+    "headroom": "headroom",
+    "stale": "stale kernels",
+    "mig": "MIG",
+    "agent": "agent",
+    "log": "logging",
+}
+# Placeholders that the field's type alone does not say; anything else is derived in _metavar.
+_METAVARS = {
+    "scratch_roots": "DIR",
+    "web_listen_address": "[HOST]:PORT",
+    "capacity_overrides": "DEVICE_ID=SHARES",
+    "headroom_requests": "SLOT=AMOUNT",
+    "capacity_unit_mem": "BYTES",
+    "capacity_unit_proc": "SMS",
+    "capacity_quantum": "SHARES",
+    "capacity_agents": "N",
+    "agent_id": "ID",
 }
 
 
@@ -51,6 +100,10 @@ def main(argv: list[str] | None = None, *, default_agent_config: Path | None = N
     """Run one command; ``default_agent_config``: the agent.toml read when present and no
     ``--agent.config`` is given (tests point it elsewhere)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "help":  # "gpu-alloc-exporter help [COMMAND]"
+        argv = [*argv[1:2], "--help"]
+    if argv and not argv[0].startswith("-") and argv[0] not in COMMANDS:
+        _fail(PROG, f"unknown command {argv[0]!r} (commands: {', '.join(COMMANDS)}; see {PROG} --help)")
     command = argv.pop(0) if argv and argv[0] in COMMANDS else "serve"
     parser = build_parser(command)
     args = vars(parser.parse_args(argv))
@@ -58,10 +111,14 @@ def main(argv: list[str] | None = None, *, default_agent_config: Path | None = N
     config_file = args.pop("config_file", None)
     try:
         settings = Settings.load(args, Path(config_file) if config_file else None)
+        _check_settings(settings)
     except ConfigError as exc:
-        print(f"gpu-alloc-exporter: {exc}", file=sys.stderr)
+        print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
-    setup_logging(settings.log_level, settings.log_format)
+    level = settings.log_level
+    if command in ("scan", "simulate") and "log_level" not in settings.model_fields_set:
+        level = "warning"  # a one-shot command's answer is its output; progress lines would be noise
+    setup_logging(level, settings.log_format)
     try:
         if command != "demo":  # the demo builds its own node; a real one's agent.toml is not its
             layout = load_agent_layout(settings, default_agent_config or DEFAULT_AGENT_CONFIG)
@@ -74,58 +131,104 @@ def main(argv: list[str] | None = None, *, default_agent_config: Path | None = N
             return _simulate(settings, extra["cmd_request"], extra["cmd_policy"], extra["cmd_state"], extra["cmd_output"], layout)
         return serve(settings, allow_missing_root=extra["cmd_allow_missing_root"], layout=layout)
     except (ConfigError, SourceConfigError) as exc:
-        print(f"gpu-alloc-exporter: {exc}", file=sys.stderr)
+        print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
 
 
+def _check_settings(settings: Settings) -> None:
+    """What every command validates up front, so ``scan`` refuses what ``serve`` would."""
+    from exporter.app import headroom_params
+
+    headroom_params(settings)
+
+
+def _fail(prog: str, message: str) -> NoReturn:
+    print(f"{prog}: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: the flag and the reason, no usage dump."""
+
+    def error(self, message: str) -> NoReturn:
+        _fail(self.prog, message.removeprefix("argument ") + f" (see {self.prog} --help)")
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, max_help_position=30, width=min(shutil.get_terminal_size().columns, 110))
+
+
 def build_parser(command: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="gpu-alloc-exporter" + ("" if command == "serve" else f" {command}"),
-        description="Prometheus exporter for live GPU allocation on Backend.AI agent nodes. Commands: "
-        + "; ".join(f"{c}: {h}" for c, h in COMMANDS.items()),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    """The argument parser of one command; settings flags come from :class:`Settings`."""
+    prog = PROG if command == "serve" else f"{PROG} {command}"
+    if command == "serve":
+        usage = "\n       ".join([*(f"{PROG} {_USAGE[c]}" for c in COMMANDS), f"{PROG} COMMAND --help"])
+        description = "Prometheus exporter for live GPU allocation on Backend.AI agent nodes.\n\ncommands:\n" + "\n".join(
+            f"  {c:<10}{h}" for c, h in COMMANDS.items()
+        )
+    else:
+        usage = f"{PROG} {_USAGE[command]}"
+        description = COMMANDS[command][0].upper() + COMMANDS[command][1:] + "."
+    shown = _SHOWN[command]
+    epilog = (
+        f"Every flag is also an environment variable, {ENV_PREFIX} + the name after 'env' (e.g. "
+        f"{ENV_PREFIX}SCRATCH_ROOTS), and a key of the --config.file (the flag without the dashes, "
+        "e.g. scratch.root). Reference: docs/configuration.md."
+    )
+    if shown is not None:
+        epilog = f"Every flag of '{PROG} --help' is accepted too, so one config file serves every command. " + epilog
+    parser = _Parser(
+        prog=prog, usage=usage, description=description, epilog=epilog, formatter_class=_Formatter, allow_abbrev=False,
         argument_default=argparse.SUPPRESS,
     )
-    parser.add_argument("--version", action="version", version=f"gpu-alloc-exporter {__version__}")
-    parser.add_argument("--config.file", dest="config_file", metavar="PATH",
-                        help=f"YAML or TOML file with settings (env: {ENV_PREFIX}CONFIG_FILE)",
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    parser.add_argument("--config.file", dest="config_file", metavar="FILE",
+                        help="YAML or TOML file with settings [env CONFIG_FILE]",
                         default=os.environ.get(f"{ENV_PREFIX}CONFIG_FILE"))
-    for name, field in Settings.model_fields.items():
-        extra = field.json_schema_extra or {}
-        env = f"{ENV_PREFIX}{name.upper()}"
-        default = field.default
-        shown = ",".join(map(str, default)) if isinstance(default, list) else default
-        help_text = f"{field.description} (default: {shown}; env: {env})"
-        kwargs: dict[str, Any] = {"dest": name, "help": help_text}
-        if field.annotation is bool:
-            kwargs["action"] = argparse.BooleanOptionalAction
-        else:
-            kwargs["metavar"] = name.rsplit("_", 1)[-1].upper().rstrip("S")
-            if extra.get("repeat"):
-                kwargs["action"] = "append"
-        parser.add_argument(extra["flag"], **kwargs)
+    own = parser.add_argument_group(f"{command} flags")
     if command == "serve":
-        parser.add_argument("--scratch.allow-missing-root", dest="cmd_allow_missing_root", action="store_true",
-                            default=False, help="start even if a scratch root does not exist yet (it is picked up when it appears)")
+        own.add_argument("--scratch.allow-missing-root", dest="cmd_allow_missing_root", action="store_true",
+                         default=False, help="start even if a scratch root does not exist yet (it is picked up when it appears)")
     if command in ("scan", "simulate"):
-        parser.add_argument("--output", dest="cmd_output", choices=["table", "json"], default="table")
+        own.add_argument("--output", dest="cmd_output", choices=["table", "json"], default="table",
+                         help="table for people, json for scripts (default: table)")
     if command == "simulate":
         from exporter.analysis.placement import Policy
 
-        parser.add_argument("--request", dest="cmd_request", required=True, metavar="SLOT=AMOUNT",
-                            help="e.g. cuda.shares=1.5, cuda.device=2 or cuda.device:1g.10gb-mig=1")
-        parser.add_argument("--policy", dest="cmd_policy", default="evenly", choices=[p.value for p in Policy],
-                            help="evenly (Backend.AI), evenly-nofrag, simple/besteffort (go-gpuallocator), "
-                            "compact-first/low-load-first (tensor-fusion)")
-        parser.add_argument("--state", dest="cmd_state", metavar="FILE", default=None,
-                            help="a saved /api/v1/state JSON instead of the live scratch roots and devices")
+        own.add_argument("--request", dest="cmd_request", required=True, metavar="SLOT=AMOUNT",
+                         help="the request, e.g. cuda.shares=1.5, cuda.device=2 or cuda.device:1g.10gb-mig=1")
+        own.add_argument("--policy", dest="cmd_policy", default="evenly", choices=[p.value for p in Policy],
+                         metavar="{" + ",".join(p.value for p in Policy) + "}",
+                         help="evenly (Backend.AI, the default), evenly-nofrag, simple/besteffort (go-gpuallocator), "
+                         "compact-first/low-load-first (tensor-fusion)")
+        own.add_argument("--state", dest="cmd_state", metavar="FILE", default=None,
+                         help="a saved /api/v1/state document instead of the live scratch roots and devices")
     if command == "demo":
-        parser.add_argument("--demo.dir", dest="cmd_dir", metavar="PATH", default=None,
-                            help="where to build the node's scratch root, /proc and cgroup tree (default: a new temporary directory)")
-        parser.add_argument("--demo.seed", "--seed", dest="cmd_seed", metavar="N", type=int, default=None,
-                            help="seed for arrivals, amounts, ids and loads: the same seed plays the same node (default: random)")
-        parser.add_argument("--demo.time-scale", "--time-scale", dest="cmd_time_scale", metavar="FACTOR", type=_positive,
-                            default=1.0, help="play the node's schedule this many times faster (default: 1)")
+        own.add_argument("--demo.dir", dest="cmd_dir", metavar="DIR", default=None,
+                         help="where to build the node's scratch root, /proc and cgroup tree (default: a new temporary directory)")
+        own.add_argument("--demo.seed", "--seed", dest="cmd_seed", metavar="N", type=int, default=None,
+                         help="seed for arrivals, amounts, ids and loads: the same seed plays the same node (default: random)")
+        own.add_argument("--demo.time-scale", "--time-scale", dest="cmd_time_scale", metavar="FACTOR", type=_positive,
+                         default=1.0, help="play the node's schedule this many times faster (default: 1)")
+    if not own._group_actions:
+        parser._action_groups.remove(own)
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for name, field in Settings.model_fields.items():
+        flag = (field.json_schema_extra or {})["flag"]
+        visible = shown is None or any(flag == s or (s.endswith(".") and flag.startswith(s)) for s in shown)
+        prefix = flag[2:].split(".", 1)[0]
+        if visible and prefix not in groups:
+            groups[prefix] = parser.add_argument_group(_GROUPS.get(prefix, prefix))
+        target = groups[prefix] if visible else parser
+        kwargs: dict[str, Any] = {"dest": name, "help": _help(name, field) if visible else argparse.SUPPRESS}
+        if field.annotation is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["metavar"] = _metavar(name, field)
+            if (field.json_schema_extra or {}).get("repeat"):
+                kwargs["action"] = "append"
+        target.add_argument(flag, **kwargs)
     return parser
 
 
@@ -152,6 +255,63 @@ def load_agent_layout(settings: Settings, default_agent_config: Path = DEFAULT_A
     if layout.source:
         log.info("agents from %s: %s", layout.source, ", ".join(layout.agents) or "none")
     return layout
+
+
+def _help(name: str, field: Any) -> str:
+    default = field.default
+    if isinstance(default, bool):
+        shown = "on" if default else "off"
+    elif isinstance(default, list):
+        shown = ",".join(map(str, default))
+    else:
+        shown = "" if default is None else str(default)
+    notes = [f"default {shown}"] if shown else []
+    notes.append(f"env {name.upper()}")  # the variable is ENV_PREFIX + this (the epilog says so)
+    # The first clause; docs/configuration.md has the whole description.
+    return f"{field.description.split('; ')[0]} [{'; '.join(notes)}]"
+
+
+def literal_choices(annotation: Any) -> tuple[str, ...]:
+    """The allowed values of a ``Literal[...]`` (or ``Literal[...] | None``) setting, else ()."""
+    if typing.get_origin(annotation) is typing.Literal:
+        return tuple(str(a) for a in typing.get_args(annotation))
+    for arg in typing.get_args(annotation):
+        if typing.get_origin(arg) is typing.Literal:
+            return literal_choices(arg)
+    return ()
+
+
+def _metavar(name: str, field: Any) -> str:
+    """The placeholder of a settings flag: a whole word, or the allowed values."""
+    explicit = (field.json_schema_extra or {}).get("metavar") or _METAVARS.get(name)
+    if explicit:
+        return explicit
+    choices = literal_choices(field.annotation)
+    if choices:
+        return "{" + ",".join(choices) + "}"
+    types = {field.annotation, *typing.get_args(field.annotation)}
+    if Path in types:
+        return "FILE" if name.endswith("_file") else "DIR"
+    if float in types and name.endswith(("_interval", "_timeout", "_grace", "_seconds")):
+        return "SECONDS"
+    if name.endswith("_ratio"):
+        return "RATIO"
+    if name.endswith("_bytes"):
+        return "BYTES"
+    flag = (field.json_schema_extra or {})["flag"]
+    return flag.rsplit(".", 1)[-1].replace("-", "_").upper()
+
+
+def _emit(text: str) -> None:
+    """Print to stdout; a reader that went away (``| head``) is not an error."""
+    try:
+        sys.stdout.write(text if text.endswith("\n") else text + "\n")
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # Python would report the failed flush again at exit: point stdout at /dev/null.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
 
 
 def _check_roots(settings: Settings, allow_missing: bool) -> None:
@@ -229,9 +389,9 @@ def _scan(settings: Settings, output: str) -> int:
         scanner.scan(str(root))
     view = book.view()
     if output == "json":
-        print(json.dumps(state_document(view, [str(r) for r in settings.scratch_roots]), indent=1))
+        _emit(json.dumps(state_document(view, [str(r) for r in settings.scratch_roots]), indent=1))
         return 0
-    print(format_table(view))
+    _emit(format_table(view))
     return 0
 
 
@@ -240,14 +400,26 @@ def _simulate(settings: Settings, request: str, policy: str, state_file: str | N
     from exporter.analysis import simulate as sim
 
     try:
-        if state_file:
+        want = sim.parse_request(request)
+    except ValueError as exc:
+        raise ConfigError(f"--request {request!r}: {exc}") from None
+    if state_file:
+        try:
             state = sim.load_state(state_file)
-        else:
-            state = _live_node_state(settings, layout)
-        result = sim.simulate(state, request, policy)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(str(exc)) from None
-    print(json.dumps(sim.result_document(result), indent=1) if output == "json" else sim.format_table(result))
+        except ValueError as exc:  # one line naming the file and the reason
+            raise ConfigError(str(exc)) from None
+    else:
+        state = _live_node_state(settings, layout)
+    if not state.slots:
+        if state_file:
+            raise ConfigError(f"--state {state_file}: the saved state has no devices")
+        raise ConfigError(
+            f"this node shows no devices to place {want.slot} on; give them with --telemetry.source nvml (a GPU node), "
+            "--telemetry.source mock --telemetry.mock-file FILE, --capacity.override DEVICE_ID=SHARES "
+            "for the devices resource.txt names, or --state FILE (a saved /api/v1/state)"
+        )
+    result = sim.simulate(state, want, policy)
+    _emit(json.dumps(sim.result_document(result), indent=1) if output == "json" else sim.format_table(result))
     return 0 if result.placed else 1
 
 
@@ -338,7 +510,10 @@ def _demo_still(settings: Settings, base: Path) -> int:
 
     root, cgroups = base / "scratches", base / "cgroup"
     build_demo_tree(root, cgroups)
-    settings = settings.model_copy(update={"scratch_roots": [root], "path_cgroupfs": cgroups, "stale_grace": 60.0})
+    update: dict[str, Any] = {"scratch_roots": [root], "path_cgroupfs": cgroups, "stale_grace": 60.0}
+    if "telemetry_source" not in settings.model_fields_set:  # a device file given means: serve those devices
+        update["telemetry_source"] = "mock"
+    settings = settings.model_copy(update=update)
 
     def announce(exporter, server) -> None:
         print(f"gpu-alloc-exporter demo: sample scratch root at {root}, mock devices from {settings.telemetry_mock_file}", flush=True)

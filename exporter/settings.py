@@ -224,10 +224,13 @@ class Settings(BaseSettings):
         # The environment outranks the file: drop file values the environment sets.
         merged = {k: v for k, v in values.items() if k not in env_set}
         merged.update(flags)
+        # Where each value came from, so an error names the file or variable that holds it.
+        origins = {name: f"{config_file}: " for name in values if name not in env_set and name not in flags}
+        origins.update({name: f"{ENV_PREFIX}{name.upper()}: " for name in env_set if name not in flags})
         try:
             return cls(**merged)
         except ValidationError as exc:
-            raise ConfigError(_one_line(exc)) from None
+            raise ConfigError(_one_line(exc, origins)) from None
         except (SettingsError, ValueError) as exc:  # an environment value that is not valid JSON
             raise ConfigError(str(exc)) from None
 
@@ -240,19 +243,38 @@ def load_config_file(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: {exc.strerror or exc}") from None
     try:
         data = tomllib.loads(text) if path.suffix == ".toml" else yaml.safe_load(text)
-    except (tomllib.TOMLDecodeError, yaml.YAMLError) as exc:
-        raise ConfigError(f"{path}: not valid {'TOML' if path.suffix == '.toml' else 'YAML'}: {exc}".replace("\n", " ")) from None
+    except tomllib.TOMLDecodeError as exc:  # "Expected '=' ... (at line 1, column 5)": no content
+        raise ConfigError(f"{path}: not valid TOML: {exc}".replace("\n", " ")) from None
+    except yaml.YAMLError as exc:  # its str() quotes the file's lines: say only where and what
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None)
+        raise ConfigError(f"{path}: not valid YAML{where}" + (f": {problem}" if problem else "")) from None
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of settings")
     by_flag = {(f.json_schema_extra or {})["flag"].lstrip("-"): name for name, f in Settings.model_fields.items()}
     out: dict[str, Any] = {}
-    for key, value in data.items():
+    for key, value in _flatten(data):
         name = by_flag.get(key) or key.replace("-", "_").replace(".", "_")
         if name not in Settings.model_fields:
             raise ConfigError(f"{path}: unknown setting {key!r}")
         out[name] = value
+    return out
+
+
+def _flatten(data: dict[Any, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    """Nested tables as dotted keys: TOML's ``[scratch] root = [...]`` (or YAML's ``scratch: {root:
+    [...]}``) is ``scratch.root``. A key that names a setting keeps its value as it is."""
+    names = {(f.json_schema_extra or {})["flag"].lstrip("-") for f in Settings.model_fields.values()} | set(Settings.model_fields)
+    out = []
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict) and dotted not in names:
+            out += _flatten(value, dotted + ".")
+        else:
+            out.append((dotted, value))
     return out
 
 
@@ -265,12 +287,14 @@ def parse_listen_address(address: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def _one_line(exc: Any) -> str:
+def _one_line(exc: Any, origins: dict[str, str] | None = None) -> str:
     parts = []
     for err in exc.errors():
         loc = ".".join(str(p) for p in err["loc"])
-        field = Settings.model_fields.get(str(err["loc"][0])) if err["loc"] else None
+        name = str(err["loc"][0]) if err["loc"] else ""
+        field = Settings.model_fields.get(name)
         flag = (field.json_schema_extra or {}).get("flag") if field else None
         msg = err["msg"].removeprefix("Value error, ")
-        parts.append(f"{flag or loc}: {msg}" if (flag or loc) else msg)
+        where = (origins or {}).get(name, "")
+        parts.append(f"{where}{flag or loc}: {msg}" if (flag or loc) else msg)
     return "; ".join(parts)

@@ -121,22 +121,181 @@ def test_environment_variables_configure_the_exporter(scratch: Path) -> None:
         assert ex.stop() == 0
 
 
-@pytest.mark.parametrize(
-    ("argv", "message"),
-    [
-        (["--scratch.root", "/nonexistent/scratch"], "scratch root /nonexistent/scratch is not a directory"),
-        (["--telemetry.source", "bogus"], "--telemetry.source: Input should be 'auto', 'nvml', 'mock' or 'none'"),
-        (["--telemetry.source", "mock"], "--telemetry.source=mock needs --telemetry.mock-file"),
-        (["--web.listen-address", "nonsense"], "listen address 'nonsense' is not host:port"),
-        (["--scratch.rescan-interval", "-1"], "--scratch.rescan-interval: Input should be greater than 0"),
-    ],
-)
-def test_bad_configuration_is_one_line_and_exit_2(argv, message, capsys, tmp_path: Path) -> None:
-    if "--scratch.root" not in argv:
-        argv = ["--scratch.root", str(tmp_path), *argv]
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert message in err and err.count("\n") == 1
+GEOMETRIES_BAD_YAML = "knownMigGeometries: [unclosed\n"
+GEOMETRIES_BAD_COUNT = "- models: [A30]\n  allowedGeometries: [[{name: 1g.6gb, memory: 5836, count: lots}]]\n"
+STATE_BAD_CAPACITY = json.dumps({"slots": {"cuda.shares": [{"device_id": "GPU-a", "capacity": "abc", "allocated": "0"}]}})
+STATE_NO_CAPACITY = json.dumps({"node_state": {"slots": {"cuda.shares": [{"device_id": "GPU-a", "allocated": "0"}]}}})
+STATE_EMPTY = json.dumps({"slots": {}})
+
+# Every mistake a newcomer makes on the command line: (argv, files to write, what the one line must say).
+# {root} is an empty scratch root, {tmp} a directory for the files.
+MISTAKES = [
+    (["scan", "--capacity.override", "GPU-x=abc"], {}, ["--capacity.override 'GPU-x=abc'", "SHARES must be a finite, non-negative number"]),
+    (["scan", "--capacity.override", "GPU-x=-1"], {}, ["--capacity.override 'GPU-x=-1'", "non-negative"]),
+    (["serve", "--capacity.override", "GPU-x"], {}, ["--capacity.override 'GPU-x'", "expected DEVICE_ID=SHARES"]),
+    (["scan", "--headroom.request", "cuda.shares"], {}, ["--headroom.request 'cuda.shares'", "expected SLOT=AMOUNT"]),
+    (["scan", "--headroom.request", "cuda.shares=abc"], {}, ["--headroom.request 'cuda.shares=abc'", "not a number"]),
+    (["serve", "--headroom.request", "cuda.shares=-2"], {}, ["--headroom.request 'cuda.shares=-2'", "positive"]),
+    (["scan", "--headroom.request", "cuda.shares=1e30"], {}, ["--headroom.request 'cuda.shares=1e30'", "out of range"]),
+    (["scan", "--mig.geometries-file", "{tmp}/missing.yaml"], {}, ["--mig.geometries-file {tmp}/missing.yaml", "cannot read the file"]),
+    (["serve", "--mig.geometries-file", "{tmp}/g.yaml"], {"g.yaml": GEOMETRIES_BAD_YAML}, ["--mig.geometries-file {tmp}/g.yaml", "not valid YAML at line 2"]),
+    (["scan", "--mig.geometries-file", "{tmp}/g.yaml"], {"g.yaml": GEOMETRIES_BAD_COUNT}, ["entry 1, allowed geometry 1", "whole numbers"]),
+    (["scan", "--mig.geometries-file", "{tmp}/g.yaml"], {"g.yaml": "nvidia: {}\n"}, ["{tmp}/g.yaml", "no knownMigGeometries list"]),
+    (["simulate", "--request", "cuda.shares=1", "--state", "{tmp}/s.json"], {"s.json": "{}"}, ["--state {tmp}/s.json", "no slots"]),
+    (["simulate", "--request", "cuda.shares=1", "--state", "{tmp}/s.json"], {"s.json": "{"}, ["--state {tmp}/s.json", "not JSON"]),
+    (["simulate", "--request", "cuda.shares=1", "--state", "{tmp}/s.json"], {"s.json": STATE_BAD_CAPACITY}, ["--state {tmp}/s.json", "slots['cuda.shares'][0].capacity is not"]),
+    (["simulate", "--request", "cuda.shares=1", "--state", "{tmp}/s.json"], {"s.json": STATE_NO_CAPACITY}, ["--state {tmp}/s.json", "has no 'capacity'"]),
+    (["simulate", "--request", "cuda.shares=1", "--state", "{tmp}/s.json"], {"s.json": STATE_EMPTY}, ["--state {tmp}/s.json", "no devices"]),
+    (["simulate", "--request", "cuda.shares=1", "--state", "{tmp}/missing.json"], {}, ["--state {tmp}/missing.json", "cannot read the file"]),
+    (["simulate", "--request", "nonsense", "--state", "{tmp}/missing.json"], {}, ["--request 'nonsense'", "expected SLOT=AMOUNT"]),
+    (["simulate", "--request", "cuda.shares=1", "--telemetry.source", "none"], {},
+     ["no devices to place cuda.shares", "--telemetry.source mock --telemetry.mock-file FILE", "--capacity.override DEVICE_ID=SHARES", "--state FILE"]),
+    (["simulate", "--state", "{tmp}/s.json"], {}, ["--request", "required"]),
+    (["simulate", "--request", "cuda.shares=1", "--policy", "fastest"], {}, ["--policy: invalid choice: 'fastest'", "evenly"]),
+    (["scan", "--output", "xml"], {}, ["--output: invalid choice: 'xml'", "table"]),
+    (["scan", "--no-such-flag"], {}, ["unrecognized arguments: --no-such-flag"]),
+    (["scna"], {}, ["unknown command 'scna'", "serve, demo, scan, simulate"]),
+    (["serve", "--scratch.root", "/nonexistent/scratch"], {}, ["scratch root /nonexistent/scratch is not a directory", "--scratch.root"]),
+    (["serve", "--telemetry.source", "bogus"], {}, ["--telemetry.source: Input should be 'auto', 'nvml', 'mock' or 'none'"]),
+    (["serve", "--telemetry.source", "mock"], {}, ["--telemetry.source=mock needs --telemetry.mock-file"]),
+    (["serve", "--telemetry.source", "mock", "--telemetry.mock-file", "{tmp}/missing.toml"], {}, ["{tmp}/missing.toml", "cannot read"]),
+    (["serve", "--web.listen-address", "nonsense"], {}, ["--web.listen-address", "listen address 'nonsense' is not host:port"]),
+    (["serve", "--scratch.rescan-interval", "-1"], {}, ["--scratch.rescan-interval: Input should be greater than 0"]),
+    (["scan", "--capacity.quantum", "abc"], {}, ["--capacity.quantum", "decimal"]),
+    (["scan", "--scratch.max-file-bytes"], {}, ["--scratch.max-file-bytes: expected one argument"]),
+    (["scan", "--config.file", "{tmp}/c.toml"], {"c.toml": "[scratch]\nrescan-interval = -1\n"}, ["{tmp}/c.toml: --scratch.rescan-interval", "greater than 0"]),
+    (["scan", "--config.file", "{tmp}/c.toml"], {"c.toml": "[scratch]\nrooot = 1\n"}, ["{tmp}/c.toml", "unknown setting 'scratch.rooot'"]),
+    (["scan", "--config.file", "{tmp}/c.yml"], {"c.yml": "scratch: [\n"}, ["{tmp}/c.yml", "not valid YAML"]),
+    (["scan", "--config.file", "{tmp}/missing.yml"], {}, ["{tmp}/missing.yml", "No such file"]),
+]
+
+
+def _exit_status(argv: list[str]) -> int:
+    try:
+        return main(argv)
+    except SystemExit as exc:  # argparse's own errors
+        return int(exc.code)
+
+
+def assert_one_clear_line(err: str, *needles: str) -> None:
+    """Exactly one line on stderr, naming the flag or file and the reason, and no Python in it."""
+    assert err.endswith("\n") and err.count("\n") == 1, err
+    for needle in needles:
+        assert needle in err, (needle, err)
+    for python in ("class", "Error(", "Traceback", "Errno", "<class", "KeyError", "ValueError"):
+        assert python not in err, (python, err)
+
+
+@pytest.mark.parametrize(("argv", "files", "needles"), MISTAKES, ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_every_mistake_is_one_line_and_exit_2(argv, files, needles, capsys, tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    root.mkdir()
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    if "--scratch.root" not in argv and "--config.file" not in argv and argv[0] != "scna":
+        argv = [argv[0], "--scratch.root", str(root), *argv[1:]]
+    if argv[0] == "serve" or argv[0] == "scna":
+        argv = argv[1:] if argv[0] == "serve" else argv
+        argv += ["--web.listen-address", "127.0.0.1:0"] if "--web.listen-address" not in argv else []
+    capsys.readouterr()
+    assert _exit_status(argv) == 2
+    assert_one_clear_line(capsys.readouterr().err, *(n.replace("{tmp}", str(tmp_path)) for n in needles))
+
+
+def test_a_bad_environment_variable_is_named(capsys, monkeypatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("GPU_ALLOC_EXPORTER_TELEMETRY_PCIE", "maybe")
+    assert main(["scan", "--scratch.root", str(tmp_path)]) == 2
+    assert_one_clear_line(capsys.readouterr().err, "GPU_ALLOC_EXPORTER_TELEMETRY_PCIE: --telemetry.pcie", "valid boolean")
+
+
+def test_a_forced_nvml_source_that_cannot_start_is_exit_2_and_auto_falls_back(capsys, tmp_path: Path) -> None:
+    from exporter.telemetry.model import NullSource
+    from exporter.telemetry.nvml.simulated import FakeNvml
+    from exporter.telemetry.sources import open_source
+
+    with FakeNvml.dgx_a100().installed() as machine:
+        machine.unload_driver()  # the kernel module is not loaded: nvmlInit fails
+        argv = ["--scratch.root", str(tmp_path), "--web.listen-address", "127.0.0.1:0", "--telemetry.source", "nvml"]
+        assert main(argv) == 2
+        assert_one_clear_line(capsys.readouterr().err, "--telemetry.source nvml: NVML does not start", "use auto")
+        assert main(["simulate", "--scratch.root", str(tmp_path), "--telemetry.source", "nvml", "--request", "cuda.shares=1"]) == 2
+        assert_one_clear_line(capsys.readouterr().err, "--telemetry.source nvml: NVML does not start")
+        assert isinstance(open_source("auto"), NullSource)
+
+
+def test_a_closed_output_pipe_is_not_an_error(tmp_path: Path) -> None:
+    # Enough kernels that the JSON is far larger than a pipe's buffer: the writer meets a closed pipe.
+    for i in range(400):
+        write_kernel(tmp_path, f"{i:08d}-0000-4000-8000-000000000000",
+                     {"cuda.shares": {"GPU-c59395cd-ac91-4cd3-a1b0-3d2568aa2d04": Decimal("0.01")}})
+    proc = subprocess.Popen([sys.executable, "-m", "exporter", "scan", "--scratch.root", str(tmp_path), "--output", "json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.readline()  # what `| head -1` does: read a little, then go away
+    proc.stdout.close()
+    err = proc.stderr.read()
+    proc.stderr.close()
+    assert proc.wait(30) == 0 and err == b""
+
+
+def test_nested_config_keys_are_settings(tmp_path: Path, capsys) -> None:
+    from exporter.settings import Settings, load_config_file
+
+    toml = tmp_path / "exporter.toml"
+    toml.write_text(f'[scratch]\nroot = ["{tmp_path}"]\nrescan-interval = 30\n[web.config]\nfile = "/etc/web.yml"\n[log]\nlevel = "debug"\n')
+    yml = tmp_path / "exporter.yml"
+    yml.write_text(f"scratch:\n  root: [{tmp_path}]\n  rescan-interval: 30\nweb.config.file: /etc/web.yml\nlog: {{level: debug}}\n")
+    for path in (toml, yml):
+        s = Settings.load({}, path)
+        assert (s.scratch_roots, s.scratch_rescan_interval, s.log_level) == ([tmp_path], 30.0, "debug")
+        assert str(s.web_config_file) == "/etc/web.yml"
+        assert load_config_file(path)["scratch_roots"] == [str(tmp_path)]
+    toml.write_text(f'[scratch]\nroot = ["{tmp_path}"]\n')
+    assert main(["scan", "--config.file", str(toml)]) == 0
+    assert "kernels: ok 0" in capsys.readouterr().out
+
+
+def test_help_names_the_commands_whole_placeholders_and_allowed_values(capsys) -> None:
+    from exporter.cli import COMMANDS, literal_choices
+    from exporter.settings import Settings
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    usage = out.split("\n\n")[0]
+    flat = " ".join(out.split())  # help lines wrap at the terminal's width
+    for command in COMMANDS:
+        assert f"gpu-alloc-exporter {command}" in usage or f"[{command}]" in usage
+    for name, field in Settings.model_fields.items():
+        flag = field.json_schema_extra["flag"]
+        assert flag in out and f"env {name.upper()}" in flat, flag
+        choices = literal_choices(field.annotation)
+        if choices:
+            assert f"{flag} {{{','.join(choices)}}}" in out
+    pairs = re.findall(r"^ +(--[\w.-]+) ([A-Z[][A-Z_=:\[\]]*)", out, re.MULTILINE)
+    assert {"DIR", "FILE", "SECONDS", "BYTES", "[HOST]:PORT", "DEVICE_ID=SHARES", "SLOT=AMOUNT"} <= {m for _, m in pairs}
+    # No placeholder is a word cut short (ADDRE, BYTE, PROCF).
+    cut = [(f, m) for f, m in pairs if (w := f.rsplit(".", 1)[-1].upper().replace("-", "_")).startswith(m) and w != m]
+    assert not cut
+    assert "GPU_ALLOC_EXPORTER_SCRATCH_ROOTS" in flat  # the rule for environment variables, with an example
+
+
+@pytest.mark.parametrize(("command", "shown", "hidden"), [
+    ("scan", ["--output", "--scratch.root"], ["--capacity.override", "--web.listen-address"]),
+    ("simulate", ["--request", "--policy {evenly,", "--state FILE", "--capacity.override"], ["--web.config.file", "--attribution.process-detail"]),
+    ("demo", ["--demo.dir DIR", "--web.listen-address"], ["--capacity.override", "--scratch.root"]),
+])
+def test_each_command_has_short_help_of_its_own_flags(command, shown, hidden, capsys) -> None:
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: gpu-alloc-exporter {command}")
+    assert all(s in out for s in shown) and not any(h in out for h in hidden)
+    assert out.count("\n") < 90
+    # Hidden flags are still accepted: one config file serves every command.
+    with pytest.raises(SystemExit):
+        main(["help", command])
+    assert capsys.readouterr().out == out
 
 
 def test_port_in_use_is_exit_2(tmp_path: Path, capsys) -> None:
@@ -159,15 +318,6 @@ def test_config_file_and_precedence(tmp_path: Path, capsys, monkeypatch) -> None
     cfg.write_text("no.such.setting: 1\n")
     assert main(["--config.file", str(cfg)]) == 2
     assert "unknown setting 'no.such.setting'" in capsys.readouterr().err
-
-
-def test_help_shows_every_flag_with_its_environment_variable(capsys) -> None:
-    with pytest.raises(SystemExit):
-        main(["--help"])
-    out = capsys.readouterr().out
-    for flag, env in [("--scratch.root", "GPU_ALLOC_EXPORTER_SCRATCH_ROOTS"), ("--web.listen-address", "GPU_ALLOC_EXPORTER_WEB_LISTEN_ADDRESS"),
-                      ("--telemetry.source", "GPU_ALLOC_EXPORTER_TELEMETRY_SOURCE"), ("--log.format", "GPU_ALLOC_EXPORTER_LOG_FORMAT")]:
-        assert flag in out and env in out
 
 
 def test_scan_prints_a_table_and_json(scratch: Path, capsys) -> None:
@@ -218,8 +368,11 @@ def test_demo_is_a_living_node_and_says_what_will_happen(tmp_path: Path) -> None
 def test_demo_with_mock_devices_builds_a_still_tree_and_serves_it(tmp_path: Path) -> None:
     from exporter.telemetry.mock import DEMO_DEVICES_FILE
 
-    _, alloc, state, _ = _run_demo("--demo.dir", str(tmp_path / "d"), "--telemetry.mock-file", str(DEMO_DEVICES_FILE))
+    _, alloc, state, metrics = _run_demo("--demo.dir", str(tmp_path / "d"), "--telemetry.mock-file", str(DEMO_DEVICES_FILE))
     assert len(alloc) >= 4
+    # The device file is served (no --telemetry.source needed): capacity and the gaps in headroom.
+    assert 'gpu_alloc_node_headroom{fragmentation="disallowed",slot="cuda.shares"} 14.51' in metrics
+    assert 'gpu_alloc_node_headroom_contiguous{fragmentation="disallowed",slot="cuda.shares"} 9.5' in metrics
     states = state["kernel_states"]
     assert states["ok"] >= 10 and states["pending"] == 1
     slots = {a["slot"] for k in state["kernels"] for a in k["allocations"]}

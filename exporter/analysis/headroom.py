@@ -10,6 +10,12 @@ in full. With fragmentation allowed that is ``round_down(Σ free >= 0.01, q)`` (
 split can lose to rounding, so the figure is confirmed by placing it, stepping down a quantum at a
 time. With fragmentation disallowed, ``ensure_slot_not_fragmented`` must also accept it; its
 largest accepted request has a closed form (:func:`nofrag_bound`).
+
+*headroom* is the largest size that fits, not a promise for every smaller size: with
+fragmentation disallowed (26.4 rule) a request no larger than one device's capacity must fit on
+one device, while a larger one may be split. Free ``[7.26, 7.25]`` of 13.5 each takes 14.51
+(7.26 + 7.25) but rejects 10.01 and 12. :func:`contiguous_headroom` is the size up to which every
+request fits: between it and *headroom* only a what-if placement answers.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from exporter.analysis.placement import (
 
 __all__ = [
     "SlotHeadroom",
+    "contiguous_headroom",
     "count_fits",
     "fragmentation_ratio",
     "headroom",
@@ -46,6 +53,7 @@ __all__ = [
 ]
 
 _ZERO = Decimal(0)
+HUNDREDTH = Decimal("0.01")  # the agent computes fractional amounts in hundredths
 _SEARCH_LIMIT = 2_000  # quantum steps tried below the bound before settling for the single-device figure
 
 
@@ -110,6 +118,37 @@ def headroom(devices: Sequence[DeviceFree], quantum: Decimal, rule: NoFragRule |
     return single
 
 
+def contiguous_headroom(devices: Sequence[DeviceFree], quantum: Decimal, rule: NoFragRule | None = None) -> Decimal:
+    """Largest multiple of ``quantum`` up to which *every* request is received in full: a request
+    of at most this size fits; above it, up to :func:`headroom`, some sizes may not (the gaps).
+
+    With fragmentation allowed the sizes that fit have no gaps at the agent's 0.01 quantum. With
+    it disallowed, a request up to the freest device's capacity ``C`` must fit on one device, so
+    when no device has ``C`` free the sizes between the largest free piece and ``C`` are refused;
+    above ``C`` the accepted splits are closed downwards (smaller parts fit wherever larger ones
+    did). A coarser quantum can lose sizes to EVENLY's rounding anywhere, so each size is then
+    confirmed by placing it (at most ``_SEARCH_LIMIT`` of them; the figure stays a safe bound).
+    """
+    bound = headroom(devices, quantum, rule)
+    ordered = sorted(devices, key=lambda d: d.free, reverse=True)
+    if rule is not None and ordered and ordered[0].free > 0:
+        most_free = ordered[0]
+        if rule is NoFragRule.SINGLE_DEVICE or most_free.free < most_free.capacity:
+            # The next size up is no larger than C, yet no device holds it.
+            bound = min(bound, round_down(most_free.free, quantum))
+    if quantum == HUNDREDTH:
+        return bound  # EVENLY splits in hundredths: every accepted size arrives whole
+    size = quantum
+    for _ in range(_SEARCH_LIMIT):
+        if size > bound:
+            break
+        result = evenly(devices, size, quantum, rule)
+        if not (isinstance(result, Placement) and result.total == size):
+            break
+        size += quantum
+    return size - quantum
+
+
 def whole_free_devices(devices: Sequence[DeviceFree]) -> int:
     """Devices nobody holds any of (a whole GPU, or a MIG instance, is still available)."""
     return sum(1 for d in devices if d.allocated == 0 and d.capacity > 0)
@@ -170,6 +209,8 @@ class SlotHeadroom:
     free: Decimal  # Σ free of devices that are not overcommitted
     headroom: Decimal  # fragmentation allowed
     headroom_nofrag: Decimal  # fragmentation disallowed, under the configured rule
+    contiguous: Decimal  # every request up to this fits, fragmentation allowed
+    contiguous_nofrag: Decimal  # every request up to this fits, fragmentation disallowed
     max_single_device_free: Decimal
     whole_free_devices: int
     fragmentation_ratio: Decimal
@@ -186,14 +227,18 @@ def summarize(
         at most 1 however many are free.
     """
     allowed, guarded = headroom(devices, quantum), headroom(devices, quantum, rule)
+    gapless, gapless_nofrag = contiguous_headroom(devices, quantum), contiguous_headroom(devices, quantum, rule)
     if unique:
         allowed, guarded = min(allowed, Decimal(1)), min(guarded, Decimal(1))
+        gapless, gapless_nofrag = min(gapless, Decimal(1)), min(gapless_nofrag, Decimal(1))
     return SlotHeadroom(
         capacity=sum((d.capacity for d in devices), _ZERO),
         allocated=sum((d.allocated for d in devices), _ZERO),
         free=sum((d.free for d in devices if d.free > 0), _ZERO),
         headroom=allowed,
         headroom_nofrag=guarded,
+        contiguous=gapless,
+        contiguous_nofrag=gapless_nofrag,
         max_single_device_free=max_single_device_free(devices),
         whole_free_devices=whole_free_devices(devices),
         fragmentation_ratio=fragmentation_ratio(devices),

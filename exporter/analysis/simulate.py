@@ -3,7 +3,8 @@
 ``simulate(state, "cuda.shares=1.5", "evenly")`` places one request on a :class:`NodeState` (from
 the live exporter, a scratch tree, or a JSON file written by :meth:`NodeState.to_json`) and
 reports where it lands and the slot's headroom before and after. :func:`format_table` and
-:func:`result_document` render the result; nothing here does I/O except :func:`load_state`.
+:func:`result_document` render the result; nothing here does I/O except :func:`load_state`
+(:func:`parse_state` reads the text).
 """
 
 from __future__ import annotations
@@ -17,10 +18,19 @@ from typing import Any
 
 from exporter.analysis.headroom import SlotHeadroom
 from exporter.analysis.node import NodeState
-from exporter.analysis.placement import DeviceFree, Placement, Policy, Rejection, Request, apply_placement, place
-from exporter.units import bounded
+from exporter.analysis.placement import (
+    DeviceFree,
+    NoFragRule,
+    Placement,
+    Policy,
+    Rejection,
+    Request,
+    apply_placement,
+    place,
+)
+from exporter.units import bounded, parse_decimal
 
-__all__ = ["SimulationResult", "format_table", "load_state", "parse_request", "result_document", "simulate"]
+__all__ = ["SimulationResult", "format_table", "load_state", "parse_request", "parse_state", "result_document", "simulate"]
 
 
 @dataclass(frozen=True)
@@ -63,7 +73,9 @@ def simulate(
     policy = Policy(policy)
     devices = state.slots.get(request.slot, ())
     if not devices:
-        outcome: Placement | Rejection = Rejection("no-devices", f"no device of slot {request.slot} on this node")
+        others = ", ".join(sorted(state.slots)) or "none"
+        detail = f"no device of slot {request.slot} on this node (its slots: {others})"
+        outcome: Placement | Rejection = Rejection("no-devices", detail)
         return SimulationResult(request, policy, outcome, (), None, None)
     outcome = place(
         devices, request, policy, quantum=state.slot_quantum(request.slot), rule=state.rule, links=state.links
@@ -73,18 +85,93 @@ def simulate(
 
 
 def load_state(path: str | Path) -> NodeState:
-    """Read ``--state FILE``: a saved ``/api/v1/state`` document (its ``node_state``) or a bare
-    node state; raises OSError or ValueError."""
-    with open(path, encoding="utf-8") as f:
-        doc = json.load(f)
-    if isinstance(doc, dict) and isinstance(doc.get("node_state"), dict):
-        doc = doc["node_state"]
+    """Read ``--state FILE``; raises ValueError with one line naming the file and the reason."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read(_MAX_STATE_BYTES + 1)
+    except OSError as exc:
+        raise ValueError(f"--state {path}: cannot read the file ({exc.strerror or 'unreadable'})") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"--state {path}: not UTF-8 text") from None
+    if len(text) > _MAX_STATE_BYTES:
+        raise ValueError(f"--state {path}: larger than {_MAX_STATE_BYTES >> 20} MiB")
+    try:
+        return parse_state(text)
+    except ValueError as exc:
+        raise ValueError(f"--state {path}: {exc}") from None
+
+
+_MAX_STATE_BYTES = 64 << 20  # a 10,000-kernel node's /api/v1/state is a few MiB
+_RULES = ", ".join(r.value for r in NoFragRule)
+
+
+def parse_state(text: str) -> NodeState:
+    """Parse a saved ``/api/v1/state`` document (its ``node_state``) or a bare node state
+    (:meth:`NodeState.to_json`). Raises ValueError with a one-line reason that names the place in
+    the document, never its content."""
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})") from None
+    except RecursionError:
+        raise ValueError("not JSON (nested too deeply)") from None
+    where = ""
+    if isinstance(doc, dict) and "node_state" in doc:
+        doc, where = doc["node_state"], "node_state."
+    if not isinstance(doc, dict) or "slots" not in doc:
+        raise ValueError(f"no {where}slots: expected a saved /api/v1/state document (curl …/api/v1/state) or its node_state")
+    slots = doc["slots"]
+    if not isinstance(slots, dict):
+        raise ValueError(f"{where}slots is not an object of slot → devices")
+    for slot, devices in slots.items():
+        if not isinstance(devices, list):
+            raise ValueError(f"{where}slots[{slot!r}] is not a list of devices")
+        for i, d in enumerate(devices):
+            _check_entry(d, f"{where}slots[{slot!r}][{i}]", ("device_id", "capacity", "allocated"))
+    if "quantum" in doc:
+        quantum = _amount(doc["quantum"], f"{where}quantum")
+        if quantum == 0:
+            raise ValueError(f"{where}quantum must be positive")
+    if doc.get("nofrag_rule", "26.4") not in {r.value for r in NoFragRule}:
+        raise ValueError(f"{where}nofrag_rule must be one of {_RULES}")
+    for key, fields in (("links", ("devices", "score")), ("stale", ("device_id", "slot", "allocated"))):
+        entries = doc.get(key, [])
+        if not isinstance(entries, list):
+            raise ValueError(f"{where}{key} is not a list")
+        for i, entry in enumerate(entries):
+            _check_entry(entry, f"{where}{key}[{i}]", fields)
     return NodeState.from_json(doc)
+
+
+def _check_entry(entry: Any, where: str, fields: tuple[str, ...]) -> None:
+    if not isinstance(entry, dict):
+        raise ValueError(f"{where} is not an object")
+    for name in fields:
+        if name not in entry:
+            raise ValueError(f"{where} has no {name!r}")
+    for name in ("capacity", "allocated"):
+        if name in fields:
+            _amount(entry[name], f"{where}.{name}")
+    if "devices" in fields and not (isinstance(entry["devices"], list) and len(entry["devices"]) == 2):
+        raise ValueError(f"{where}.devices is not a pair of device ids")
+    if "score" in fields and (isinstance(entry["score"], bool) or not isinstance(entry["score"], int)):
+        raise ValueError(f"{where}.score is not an integer")
+
+
+def _amount(value: Any, where: str) -> Decimal:
+    if isinstance(value, bool) or not isinstance(value, str | int | float):
+        raise ValueError(f"{where} is not a decimal number")
+    try:
+        return parse_decimal(str(value))
+    except ValueError:
+        raise ValueError(f"{where} is not a finite, non-negative decimal number") from None
 
 
 _FIGURES = (  # (label, SlotHeadroom attribute)
     ("headroom, fragmentation allowed", "headroom"),
     ("headroom, fragmentation disallowed", "headroom_nofrag"),
+    ("every size fits up to, allowed", "contiguous"),
+    ("every size fits up to, disallowed", "contiguous_nofrag"),
     ("largest free on one device", "max_single_device_free"),
     ("whole free devices", "whole_free_devices"),
     ("fragmentation ratio", "fragmentation_ratio"),

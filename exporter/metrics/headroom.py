@@ -99,6 +99,13 @@ def _node_families(state: NodeState, requests: Sequence[Request]) -> list[Metric
         "slot",
         "fragmentation",
     )
+    contiguous = _g(
+        "gpu_alloc_node_headroom_contiguous",
+        "Every request of a slot up to this size would be received in full now; above it, up to gpu_alloc_node_headroom, "
+        "some sizes may be refused (fragmentation=disallowed: a request up to one device's capacity must fit on one device)",
+        "slot",
+        "fragmentation",
+    )
     single = _g(
         "gpu_alloc_node_max_single_device_free",
         "Largest free amount of a slot on one device (a request up to this size stays on one device)",
@@ -125,6 +132,8 @@ def _node_families(state: NodeState, requests: Sequence[Request]) -> list[Metric
         s = state.summary(slot)
         headroom.add_metric([slot, "allowed"], float(s.headroom))
         headroom.add_metric([slot, "disallowed"], float(s.headroom_nofrag))
+        contiguous.add_metric([slot, "allowed"], float(s.contiguous))
+        contiguous.add_metric([slot, "disallowed"], float(s.contiguous_nofrag))
         single.add_metric([slot], float(s.max_single_device_free))
         whole.add_metric([slot], s.whole_free_devices)
         if is_fractional_slot(slot):
@@ -136,7 +145,7 @@ def _node_families(state: NodeState, requests: Sequence[Request]) -> list[Metric
         for label, policy in (("allowed", Policy.EVENLY), ("disallowed", Policy.EVENLY_NOFRAG)):
             n = count_fits(devices, request, policy, quantum=state.slot_quantum(request.slot), rule=state.rule)
             fits.add_metric([request.slot, str(request.amount), label], n)
-    return [headroom, single, whole, ratio, fits]
+    return [headroom, contiguous, single, whole, ratio, fits]
 
 
 def _mig_families(inventory: Inventory, hami: Sequence[HamiModel]) -> list[Metric]:

@@ -228,30 +228,54 @@ def parse_hami_geometries(text: str) -> list[HamiModel]:
     a mapping with ``knownMigGeometries``, or the bare list. Each allowed geometry is a list of
     ``{name, memory, count}`` templates, or ``{group, geometries: [...]}`` as Volcano writes it.
 
-    :raises ValueError: when the text is not that shape.
+    :raises ValueError: when the text is not that shape; the message names the place (entry and
+        geometry numbers, from 1), never the file's content.
     """
-    doc = yaml.safe_load(text)
+    try:
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise ValueError(f"not valid YAML{at}") from None
+    except RecursionError:
+        raise ValueError("not valid YAML (nested too deeply)") from None
     if isinstance(doc, dict):
         doc = doc.get("nvidia", doc)
         doc = doc.get("knownMigGeometries") if isinstance(doc, dict) else None
     if not isinstance(doc, list):
         raise ValueError("no knownMigGeometries list found")
     models = []
-    for entry in doc:
+    for i, entry in enumerate(doc, start=1):
         if not isinstance(entry, dict) or not isinstance(entry.get("models"), list):
-            raise ValueError(f"knownMigGeometries entry without a models list: {entry!r}")
+            raise ValueError(f"knownMigGeometries entry {i} has no models list")
         geometries = []
-        for raw in entry.get("allowedGeometries") or []:
+        allowed = entry.get("allowedGeometries") or []
+        if not isinstance(allowed, list):
+            raise ValueError(f"knownMigGeometries entry {i}: allowedGeometries is not a list")
+        for j, raw in enumerate(allowed, start=1):
+            where = f"knownMigGeometries entry {i}, allowed geometry {j}"
             group = None
             if isinstance(raw, dict):
                 group, raw = raw.get("group"), raw.get("geometries")
             if not isinstance(raw, list) or not all(isinstance(t, dict) and "name" in t for t in raw):
-                raise ValueError(f"allowed geometry is not a list of {{name, memory, count}}: {raw!r}")
-            counts = tuple((str(t["name"]), int(t.get("memory", 0)), int(t.get("count", 1))) for t in raw)
+                raise ValueError(f"{where} is not a list of {{name, memory, count}}")
+            try:
+                counts = tuple((str(t["name"]), _whole(t.get("memory", 0)), _whole(t.get("count", 1))) for t in raw)
+            except ValueError:
+                raise ValueError(f"{where}: memory and count must be whole numbers") from None
             label = group or ",".join(f"{name}:{count}" for name, _, count in counts)
             geometries.append(HamiGeometry(str(label), counts))
         models.append(HamiModel(tuple(str(m) for m in entry["models"]), tuple(geometries)))
     return models
+
+
+def _whole(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ValueError("not a whole number")
+    number = int(value)  # ValueError for "abc"
+    if number < 0:
+        raise ValueError("negative")
+    return number
 
 
 def hami_geometries_for(models: Sequence[HamiModel], product_name: str) -> tuple[HamiGeometry, ...]:

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 
-from exporter.telemetry.model import SOURCE_KINDS, NullSource, TelemetrySource
+from exporter.telemetry.model import SOURCE_KINDS, NullSource, SourceConfigError, TelemetrySource
 
 __all__ = ["open_source"]
 
@@ -24,8 +25,8 @@ def open_source(
     :param kind: ``auto`` (NVML when ``nvmlInit`` works, else ``none``), ``nvml``, ``mock`` or ``none``.
     :param mock_file: the device TOML for ``mock`` (Backend.AI's mock-accelerator.toml format).
     :param pcie: read PCIe throughput (NVML blocks ~20 ms per counter and GPU to sample it).
-    :raises exporter.telemetry.model.SourceConfigError: the mock file is missing or invalid
-        (the CLI exits with status 2).
+    :raises exporter.telemetry.model.SourceConfigError: the mock file is missing or invalid, or
+        ``nvml`` was asked for and ``nvmlInit`` fails (the CLI exits with status 2).
     :raises ValueError: unknown kind, or ``mock`` without a file (settings validation prevents both).
     """
     if kind not in SOURCE_KINDS:
@@ -44,10 +45,15 @@ def open_source(
 
     from exporter.telemetry import nvml
 
-    if kind == "auto":
-        problem = nvml.probe()
-        if problem is not None:
-            log.info("telemetry source: none (NVML unavailable: %s)", problem)
-            return NullSource()
+    problem = nvml.probe()
+    if problem is not None:
+        # probe() says "Type: reason"; people read the reason.
+        reason = re.sub(r"^\w+: ", "", problem)
+        if kind == "nvml":  # asked for NVML by name: not starting is a configuration error
+            raise SourceConfigError(
+                f"--telemetry.source nvml: NVML does not start ({reason}); use auto to run without telemetry"
+            )
+        log.info("telemetry source: none (NVML unavailable: %s)", reason)
+        return NullSource()
     log.info("telemetry source: nvml (%s)", nvml.binding_path())
     return nvml.NvmlSource(pcie=pcie)

@@ -1,5 +1,5 @@
 """The HTTP routes: ``/metrics`` from cached bytes, health and readiness, and the JSON API
-(``/api/v1/alloc-map``, ``/api/v1/state``, ``/api/v1/simulate``); schemas in the README."""
+(``/api/v1/alloc-map``, ``/api/v1/state``, ``/api/v1/simulate``); schemas in docs/metrics.md."""
 
 from __future__ import annotations
 
@@ -135,7 +135,7 @@ class Routes(Router):
 
 
 def state_document(view: AllocationView, roots: list[str], node: NodeState | None = None) -> dict[str, Any]:
-    """The ``/api/v1/state`` document (schema in the README). Amounts are decimal strings, exact.
+    """The ``/api/v1/state`` document (schema in docs/metrics.md). Amounts are decimal strings, exact.
 
     ``node_state`` (devices with capacity, allocation and stale amounts) is what
     ``gpu-alloc-exporter simulate --state FILE`` reads back.

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from exporter.analysis.headroom import (
+    contiguous_headroom,
     count_fits,
     fragmentation_ratio,
     headroom,
@@ -186,3 +187,39 @@ def test_count_fits_shortcut_equals_replaying_requests(node, policy, steps) -> N
         current = apply_placement(current, result)
         replayed += 1
     assert count_fits(devices, request, policy, quantum=quantum) == replayed
+
+
+def _gapless(devices, quantum, accepts) -> Decimal:
+    """Brute force: the last size before the first one that does not fit."""
+    request = quantum
+    while request <= sum((d.free for d in devices if d.free > 0), D(0)) and accepts(request):
+        request += quantum
+    return request - quantum
+
+
+@settings(max_examples=300, deadline=None)
+@given(nodes(), st.sampled_from([None, MULTI, SINGLE]))
+def test_contiguous_headroom_is_where_the_first_gap_starts(node, rule) -> None:
+    devices, quantum = node
+
+    def full(request: Decimal) -> bool:
+        result = evenly(devices, request, quantum, rule)
+        return isinstance(result, Placement) and result.total == request
+
+    assert contiguous_headroom(devices, quantum, rule) == _gapless(devices, quantum, full)
+    assert contiguous_headroom(devices, quantum, rule) <= headroom(devices, quantum, rule)
+
+
+def test_with_fragmentation_disallowed_the_sizes_that_fit_have_gaps() -> None:
+    # Two 13.5-share A100s with 7.26 and 7.25 free: 14.51 is split 7.26 + 7.25, but 10.01 and 12
+    # are no larger than one device and no device has them free.
+    devices = [DeviceFree("GPU-a", D("13.5"), D("6.24")), DeviceFree("GPU-b", D("13.5"), D("6.25"))]
+    q = D("0.01")
+    assert headroom(devices, q, MULTI) == D("14.51")
+    assert contiguous_headroom(devices, q, MULTI) == D("7.26")
+    for request, fits in [("7.26", True), ("7.27", False), ("10.01", False), ("12", False), ("13.5", False),
+                          ("13.51", True), ("14.51", True), ("14.52", False)]:
+        assert isinstance(evenly(devices, D(request), q, MULTI), Placement) is fits, request
+    assert contiguous_headroom(devices, q) == headroom(devices, q) == D("14.51")  # fragmentation allowed: no gaps
+    s = summarize(devices, q, MULTI)
+    assert (s.headroom_nofrag, s.contiguous_nofrag, s.contiguous) == (D("14.51"), D("7.26"), D("14.51"))

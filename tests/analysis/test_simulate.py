@@ -10,7 +10,7 @@ import pytest
 
 from exporter.analysis.capacity import GpuInventory
 from exporter.analysis.node import HeadroomParams, Inventory, NodeState, live_state, node_state
-from exporter.analysis.simulate import format_table, load_state, result_document, simulate
+from exporter.analysis.simulate import format_table, load_state, parse_state, result_document, simulate
 from exporter.scratch.allocation import AllocationBook
 from exporter.scratch.resources import parse_resource
 from exporter.telemetry.devices import DeviceResolver
@@ -69,7 +69,7 @@ def test_every_policy_answers() -> None:
 def test_slot_without_devices() -> None:
     result = simulate(state_doc("1"), "cuda.device=1")
     doc = result_document(result)
-    assert doc["rejection"] == {"reason": "no-devices", "detail": "no device of slot cuda.device on this node"}
+    assert doc["rejection"] == {"reason": "no-devices", "detail": "no device of slot cuda.device on this node (its slots: cuda.shares)"}
     assert doc["devices"] == [] and doc["headroom"] == {"before": None, "after": None}
     assert "rejected (no-devices)" in format_table(result)
 
@@ -134,3 +134,31 @@ def test_mig_request_takes_one_free_instance() -> None:
     assert result["headroom"]["before"]["headroom"] == "1" and result["headroom"]["before"]["whole_free_devices"] == "2"
     assert result["headroom"]["after"]["whole_free_devices"] == "1"
     assert result_document(simulate(doc, f"{slot}=2"))["rejection"]["reason"] == "invalid-request"
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [
+        ("{", "not JSON (Expecting property name enclosed in double quotes at line 1, column 2)"),
+        ("[]", "no slots"),
+        ('{"node_state": {"slots": []}}', "node_state.slots is not an object"),
+        ('{"slots": {"cuda.shares": {}}}', "slots['cuda.shares'] is not a list of devices"),
+        ('{"slots": {"cuda.shares": [{"device_id": "a", "capacity": "1", "allocated": "-1"}]}}', "slots['cuda.shares'][0].allocated is not"),
+        ('{"slots": {"cuda.shares": [{"device_id": "a", "capacity": true, "allocated": "0"}]}}', "slots['cuda.shares'][0].capacity is not"),
+        ('{"slots": {}, "quantum": "0"}', "quantum must be positive"),
+        ('{"slots": {}, "nofrag_rule": "27"}', "nofrag_rule must be one of before-26.4, 26.4"),
+        ('{"slots": {}, "links": [{"devices": ["a"], "score": 1}]}', "links[0].devices is not a pair"),
+        ('{"slots": {}, "stale": [{"device_id": "a", "slot": "cuda.shares"}]}', "stale[0] has no 'allocated'"),
+    ],
+)
+def test_a_malformed_state_says_where_and_why(text: str, reason: str) -> None:
+    with pytest.raises(ValueError) as exc:
+        parse_state(text)
+    assert reason in str(exc.value) and "Error" not in str(exc.value)
+
+
+def test_a_saved_state_round_trips(tmp_path) -> None:
+    state = parse_state(json.dumps({"node_state": state_doc("0.5", "1")}))
+    assert simulate(state, "cuda.shares=1").placed
+    with pytest.raises(ValueError, match=r"--state .*missing.json: cannot read the file \(No such file or directory\)"):
+        load_state(tmp_path / "missing.json")

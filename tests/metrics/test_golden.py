@@ -16,7 +16,7 @@ from decimal import Decimal
 from pathlib import Path
 
 import pytest
-from helpers import CID, GOLDEN, K1, K2, K3, K4, K5, K6, PLACEMENT, PROC, ROOT
+from helpers import CID, GOLDEN, K1, K2, K3, K4, K5, K6, PLACEMENT, PROC
 from prometheus_client import CollectorRegistry, generate_latest
 
 from exporter.app import Exporter
@@ -151,13 +151,3 @@ def test_telemetry_golden(name: str, snapshot, update_golden: bool) -> None:
 def test_golden_expositions_are_promtool_clean(name: str) -> None:
     result = subprocess.run(["promtool", "check", "metrics"], input=GOLDEN_FILE.with_name(name).read_bytes(), capture_output=True)
     assert result.returncode == 0, result.stderr.decode()
-
-
-def test_readme_metric_table_lists_every_family() -> None:
-    names = set()
-    for golden in GOLDEN.glob("*.prom"):
-        names |= set(re.findall(r"^# TYPE (\w+) ", golden.read_text(), flags=re.M))
-    readme = (ROOT / "README.md").read_text()
-    documented = set(re.findall(r"`(gpu_alloc_\w+)`", readme))
-    missing = sorted(n for n in names if n not in documented)
-    assert not missing, f"README metric table lacks: {missing}"
