@@ -616,9 +616,10 @@ def fleet() -> Dashboard:
               unit="percentunit", hide=("Time", "__name__", "job", "slot"), rename={"Value": "fragmentation"}, links=[node_link()],
               desc="Nodes whose free fGPU sits mostly on partly used GPUs.", no_value="no fractional GPU node"),
         table("Stranded free fGPU",
-              [TAB('instance_slot:gpu_alloc_device_free:sum{%S, slot="cuda.shares"} >= on () group_left () global:gpu_alloc_node_free_fgpu:threshold'
+              # on (zone): a global view holds every zone's thresholds (a zone's own have no zone label).
+              [TAB('instance_slot:gpu_alloc_device_free:sum{%S, slot="cuda.shares"} >= on (zone) group_left () global:gpu_alloc_node_free_fgpu:threshold'
                    ' and on (job, instance, slot) (instance_slot:gpu_alloc_node_max_single_device_free:max{%S, slot="cuda.shares"}'
-                   ' < on () group_left () global:gpu_alloc_node_max_single_device_free:threshold)', F,
+                   ' < on (zone) group_left () global:gpu_alloc_node_max_single_device_free:threshold)', F,
                    empty_ok="lists only fragmented nodes")],
               unit="none", hide=("Time", "__name__", "job", "slot"), rename={"Value": "free fGPU"}, links=[node_link()],
               desc=f"Nodes with at least {thr('gpu_alloc_node_free_fgpu'):g} fGPU free but less than {thr('gpu_alloc_node_max_single_device_free'):g} "
