@@ -177,7 +177,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         # the kernel group and the fault's alert must have been evaluated on every engine.
         ready = ('zone_kernel:gpu_alloc_kernel_fgpu_allocated:topk20', 'ALERTS{alertname="GpuAllocNodeFragmented", alertstate="firing"}',
                  'ALERTS{alertname="GpuAllocFgpuOvercommitted", alertstate="firing"}', f'count(instance:gpu_alloc_fgpu_allocated:sum{{job="{JOB}"}}) == {3 + len(GOLDEN_NODES)}',
-                 "instance:gpu_alloc_idle_fgpu_allocated:sum")
+                 "zone:gpu_alloc_idle_fgpu_allocated:sum")  # the longest chain of recorded series
         for engine in (global_prom, vm_global, vm_zone):
             wait_until(lambda engine=engine: all(_query(engine, q) for q in ready), 60, f"fleet series on {engine.url}", interval=0.5)
         yield f

@@ -569,10 +569,13 @@ def fleet() -> Dashboard:
              thresholds=[(None, OK), (1, BAD)], desc="GPUs lost or hung across the fleet.", no_value="no telemetry"),
     )
     d.add(
-        ts("Fleet fGPU allocated vs capacity", [T("sum(instance:gpu_alloc_fgpu_allocated:sum{%S})", "allocated", F, fleet=True),
-                                               T("sum(instance:gpu_alloc_fgpu_capacity:sum{%S})", "capacity", F, fleet=True),
-                                               T("sum(instance:gpu_alloc_idle_fgpu_allocated:sum{%S})", "allocated but idle", F, fleet=True)],
-           unit="none", decimals=1, dashed="^capacity$", desc="Totals over the selected agents.", no_value="no node reporting"),
+        ts("Fleet fGPU allocated vs capacity", [T("sum(zone:gpu_alloc_fgpu_allocated:sum)", "allocated", "", fleet=True),
+                                               T("sum(zone:gpu_alloc_fgpu_capacity:sum)", "capacity", "", fleet=True),
+                                               T("sum(zone:gpu_alloc_idle_fgpu_allocated:sum)", "allocated but idle", "", fleet=True)],
+           unit="none", decimals=1, dashed="^capacity$",
+           desc="Fleet totals over time, from each zone's recorded total (one series per zone, so the range stays cheap on "
+                "10,000 nodes): the agent and node filters do not apply here; the stats above follow them.",
+           no_value="no node reporting"),
         bargauge("Requests the fleet can still place ($fragmentation)",
                  [I('sum by (slot, request) (zone_slot_request:gpu_alloc_request_fits:sum{fragmentation="$fragmentation"})', "{{slot}} = {{request}}", "", fleet=True)],
                  unit="none", decimals=0, desc="How many more requests of each reference size all nodes would take, summed per zone "
@@ -661,12 +664,13 @@ def fleet() -> Dashboard:
               no_value="no node reporting"),
     )
     d.add(
-        ts("Fleet health over time", [T("sum(instance:gpu_alloc_devices_down:sum{%S})", "GPUs down", F, fleet=True),
-                                      T("sum(instance:gpu_alloc_throttled_devices:sum{%S})", "GPUs throttled", F, fleet=True,
+        ts("Fleet health over time", [T("sum(zone:gpu_alloc_devices_down:sum)", "GPUs down", "", fleet=True),
+                                      T("sum(zone:gpu_alloc_throttled_devices:sum)", "GPUs throttled", "", fleet=True,
                                         empty_ok="only where throttle reasons are reported"),
-                                      T("sum(instance:gpu_alloc_xid_critical_recent:count{%S})", "critical XIDs (1h)", F, fleet=True),
-                                      T("sum(instance:gpu_alloc_collector_failures:sum{%S})", "collector failures", F, fleet=True)],
-           unit="none", desc="Fleet totals of the health columns.", no_value="no node reporting"),
+                                      T("sum(zone:gpu_alloc_xid_critical_recent:sum)", "critical XIDs (1h)", "", fleet=True),
+                                      T("sum(zone:gpu_alloc_collector_failures:sum)", "collector failures", "", fleet=True)],
+           unit="none", desc="Fleet totals of the health columns over time, from each zone's recorded totals (the agent and node "
+                             "filters do not apply).", no_value="no node reporting"),
         table("Firing gpu-alloc alerts", [TAB('ALERTS{alertname=~"GpuAlloc.*", alertstate="firing"}', "",
                                               empty_ok="nothing fires on a healthy fleet")],
               unit="none", hide=("Time", "__name__", "alertstate", "Value"), links=[node_link()],
