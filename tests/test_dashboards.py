@@ -108,7 +108,7 @@ def test_fixed_uids_and_variables() -> None:
         assert "gpu-alloc" in doc["tags"]
     assert "instance" in [v["name"] for v in BY_UID[NODE_UID]["templating"]["list"]]
     kernel_var = next(v for v in BY_UID[KERNEL_UID]["templating"]["list"] if v["name"] == "kernel_id")
-    assert kernel_var["query"].startswith("label_values(gpu_alloc_kernel_info")
+    assert kernel_var["query"].startswith("query_result(gpu_alloc_kernel_info") and kernel_var["regex"] == '/kernel_id="([^"]+)"/'
     # The kernel dashboard is bounded to one node: its instance is single-valued, the kernel list
     # is that node's, and every link into it passes the node.
     instance_var = next(v for v in BY_UID[KERNEL_UID]["templating"]["list"] if v["name"] == "instance")

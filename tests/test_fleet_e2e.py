@@ -27,7 +27,6 @@ import json
 import re
 import shutil
 import sys
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from decimal import Decimal
@@ -36,19 +35,19 @@ from typing import Any
 
 import pytest
 import yaml
-
 from e2e.harness import (
     Exporter,
-    StaticExpositions,
     Prometheus,
     PromQLError,
     QueryAPI,
+    StaticExpositions,
     VictoriaMetrics,
     VMAlert,
     Webhook,
     e2e_rules,
     wait_until,
 )
+
 from exporter.demo import build_demo_tree, demo_devices, write_kernel
 
 ROOT = Path(__file__).resolve().parent.parent

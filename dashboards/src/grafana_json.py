@@ -144,8 +144,9 @@ def datasource_var() -> dict[str, Any]:
 
 
 def query_var(name: str, label: str, query: str, *, multi: bool = False, include_all: bool = False, all_value: str = ".*",
-              description: str = "") -> dict[str, Any]:
-    """A Prometheus query variable (``label_values(...)``), refreshed when the time range changes."""
+              description: str = "", regex: str = "") -> dict[str, Any]:
+    """A Prometheus query variable (``label_values(...)``, or ``query_result(...)`` with a ``regex``
+    that extracts the value), refreshed when the time range changes."""
     out: dict[str, Any] = {
         "datasource": DATASOURCE,
         "hide": 0,
@@ -155,7 +156,7 @@ def query_var(name: str, label: str, query: str, *, multi: bool = False, include
         "name": name,
         "query": query,
         "refresh": 2,
-        "regex": "",
+        "regex": regex,
         "sort": 1,
         "type": "query",
     }
