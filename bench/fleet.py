@@ -156,7 +156,7 @@ def render_node(i: int, rng: random.Random, mean_kernels: int, sw: Switches) -> 
     allocated: dict[tuple[str, str], float] = {}
     kernel_lines: list[str] = []
     states = {"ok": 0, "pending": 0, "invalid": 0}
-    for k in range(n_kernels):
+    for _ in range(n_kernels):
         kid = str(uuid.UUID(int=rng.getrandbits(128), version=4))
         node.kernels.append(kid)
         state = "ok" if rng.random() > 0.02 else "pending"
@@ -165,7 +165,7 @@ def render_node(i: int, rng: random.Random, mean_kernels: int, sw: Switches) -> 
         slot = rng.choice(list(slots))
         devices = rng.sample(slots[slot], 2 if rng.random() < 0.2 and len(slots[slot]) > 1 else 1)
         idle = rng.choice([0.0, 0.0, 120.0, 5400.0 + rng.random() * 3600])
-        for dev, cap in devices:
+        for dev, _cap in devices:
             amount = round(rng.choice([0.1, 0.25, 0.5, 1.0]), 2) if slot == "cuda.shares" else 1.0
             allocated[(dev, slot)] = allocated.get((dev, slot), 0.0) + amount
             _s("gpu_alloc_kernel_allocated", {"device_id": dev, "kernel_id": kid, "slot": slot}, amount, kernel_lines)
@@ -211,10 +211,10 @@ def render_node(i: int, rng: random.Random, mean_kernels: int, sw: Switches) -> 
             for req in (("0.5", "1", "2") if slot == "cuda.shares" else ("1",)):
                 _s("gpu_alloc_request_fits", {"fragmentation": frag, "request": req, "slot": slot}, int(sum(f // float(req) for f in frees)), out)
         _s("gpu_alloc_node_max_single_device_free", {"slot": slot}, max(frees), out)
-        _s("gpu_alloc_node_whole_free_devices", {"slot": slot}, sum(1 for f, (_, c) in zip(frees, devices) if f == c), out)
+        _s("gpu_alloc_node_whole_free_devices", {"slot": slot}, sum(1 for f, (_, c) in zip(frees, devices, strict=True) if f == c), out)
         if slot == "cuda.shares":
             total = sum(frees)
-            _s("gpu_alloc_node_fragmentation_ratio", {"slot": slot}, 0 if not total else sum(f for f, (_, c) in zip(frees, devices) if f < c) / total, out)
+            _s("gpu_alloc_node_fragmentation_ratio", {"slot": slot}, 0 if not total else sum(f for f, (_, c) in zip(frees, devices, strict=True) if f < c) / total, out)
     out += kernel_lines
     node.series = len(out)
     node.text = ("\n".join(out) + "\n").encode()
@@ -396,7 +396,7 @@ def backfill(prom: Prom, work: Path, series: list[tuple[str, str]], values: list
     t0 = time.perf_counter()
     stamps = [start + k * step for k in range(int((end - start) // step))]
     with om.open("w") as f:
-        for (metric, labels), value in zip(series, values):
+        for (metric, labels), value in zip(series, values, strict=True):
             # OpenMetrics wants a family's samples together, time-ascending, integer-free floats ok.
             prefix = f"{metric}{labels} {value!r} "
             f.write("".join(f"{prefix}{ts:.0f}\n" for ts in stamps))
@@ -472,7 +472,7 @@ def time_dashboard(prom: Prom, reqs: list[Request], repeat: int, parallel: int =
             times = list(pool.map(one, reqs))
             walls.append(time.perf_counter() - t0)
             sums.append(sum(times))
-            for r, dt in zip(reqs, times):
+            for r, dt in zip(reqs, times, strict=True):
                 slowest.setdefault(r.what, []).append(dt)
     top = sorted(((statistics.median(v), k) for k, v in slowest.items()), reverse=True)[:3]
     return {"requests": len(reqs), "wall_s": round(statistics.median(walls), 3), "sum_s": round(statistics.median(sums), 3),

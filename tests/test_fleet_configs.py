@@ -27,14 +27,15 @@ def _check_config(path: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["promtool", "check", "config", str(path)], capture_output=True, text=True, timeout=60)
 
 
-def test_zone_config_passes_promtool_with_both_rule_files(tmp_path: Path) -> None:
-    """As installed: prometheus.yml with the two rule files next to it (/etc/prometheus/)."""
+def test_zone_config_passes_promtool_with_every_rule_file(tmp_path: Path) -> None:
+    """As installed: prometheus.yml with the rule files of alerts/ next to it (/etc/prometheus/)."""
     shutil.copy(DEPLOY / "prometheus.yml", tmp_path / "prometheus.yml")
     for rules in mc.RULE_FILES:
         shutil.copy(rules, tmp_path / rules.name)
     result = _check_config(tmp_path / "prometheus.yml")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "2 rule files found" in result.stdout, result.stdout
+    assert f"{len(mc.RULE_FILES)} rule files found" in result.stdout, result.stdout
+    assert yaml.safe_load((DEPLOY / "prometheus.yml").read_text())["rule_files"] == [p.name for p in mc.RULE_FILES]
     # Without the rule files the check fails: the config really loads them.
     (tmp_path / "gpu-alloc.rules.yml").unlink()
     assert _check_config(tmp_path / "prometheus.yml").returncode != 0

@@ -96,7 +96,7 @@ def zone_config(targets: list[str], rule_files: list[Path], remote: list[dict[st
     """deploy/prometheus/prometheus.yml for a test: fast intervals, loopback targets, the test's rule copies."""
     doc = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
     assert doc["global"]["external_labels"] == {"zone": ZONE}
-    assert doc["rule_files"] == ["gpu-alloc.recording.yml", "gpu-alloc.rules.yml"]
+    assert doc["rule_files"] == [p.name for p in mc.RULE_FILES]
     doc["global"].update({"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"})
     doc["rule_files"] = [str(p) for p in rule_files]
     doc.pop("alerting")

@@ -139,7 +139,7 @@ class Panel:
 
 
 def datasource_var() -> dict[str, Any]:
-    return {"current": {"selected": False, "text": "${%s}" % DS_INPUT, "value": "${%s}" % DS_INPUT},
+    return {"current": {"selected": False, "text": f"${{{DS_INPUT}}}", "value": f"${{{DS_INPUT}}}"},
             "hide": 0, "label": "Data source", "name": "datasource", "query": "prometheus", "refresh": 1, "regex": "", "type": "datasource"}
 
 
