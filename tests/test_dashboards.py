@@ -41,8 +41,26 @@ def test_dashboards_match_grafanas_schema(strict: bool) -> None:
         if os.environ.get("GPU_ALLOW_NO_DASHBOARD_SCHEMA") or os.environ.get("GPU_ALLOC_ALLOW_NO_DASHBOARD_SCHEMA"):
             pytest.skip(f"schema unavailable and GPU_ALLOC_ALLOW_NO_DASHBOARD_SCHEMA is set: {exc}")
         pytest.fail(f"cannot build Grafana's dashboard schema (needs npm and registry access): {exc}")
-    errors = {p.name: dashboard_schema.validate(doc, strict) for p, doc in DASHBOARDS.items()}
+    errors = {p.name: dashboard_schema.validate(importable_body(doc), strict) for p, doc in DASHBOARDS.items()}
     assert not any(errors.values()), errors
+
+
+def importable_body(doc: dict) -> dict:
+    """The dashboard without Grafana's import envelope (``__inputs``, ``__requires``): the import
+    dialog consumes those and the stored dashboard, which the schema describes, has none."""
+    return {k: v for k, v in doc.items() if not k.startswith("__")}
+
+
+def test_import_asks_for_a_prometheus_data_source() -> None:
+    """Grafana's import dialog prompts for each ``__inputs`` entry and substitutes ``${NAME}``;
+    the datasource variable's default is that input, so the chosen data source is used."""
+    for doc in DASHBOARDS.values():
+        inputs = doc["__inputs"]
+        assert [(i["type"], i["pluginId"]) for i in inputs] == [("datasource", "prometheus")], doc["uid"]
+        name = inputs[0]["name"]
+        ds = next(v for v in doc["templating"]["list"] if v["name"] == "datasource")
+        assert ds["type"] == "datasource" and ds["query"] == "prometheus"
+        assert ds["current"]["value"] == f"${{{name}}}", doc["uid"]
 
 
 def test_schema_validation_rejects_a_broken_dashboard() -> None:
@@ -84,11 +102,32 @@ def test_fixed_uids_and_variables() -> None:
         names = [v["name"] for v in doc["templating"]["list"]]
         assert names[:3] == ["datasource", "job", "agent"], uid
         agent = next(v for v in doc["templating"]["list"] if v["name"] == "agent")
-        assert agent["query"].startswith("label_values(gpu_alloc_build_info")
+        # The fleet dashboard lists agents from the recorded series that federates.
+        source = "instance:gpu_alloc_build_info:last" if uid == FLEET_UID else "gpu_alloc_build_info"
+        assert agent["query"].startswith(f"label_values({source}"), uid
         assert "gpu-alloc" in doc["tags"]
     assert "instance" in [v["name"] for v in BY_UID[NODE_UID]["templating"]["list"]]
     kernel_var = next(v for v in BY_UID[KERNEL_UID]["templating"]["list"] if v["name"] == "kernel_id")
-    assert kernel_var["query"].startswith("label_values(gpu_alloc_kernel_info")
+    assert kernel_var["query"].startswith("query_result(gpu_alloc_kernel_info") and kernel_var["regex"] == '/kernel_id="([^"]+)"/'
+    # The kernel dashboard is bounded to one node: its instance is single-valued, the kernel list
+    # is that node's, and every link into it passes the node.
+    instance_var = next(v for v in BY_UID[KERNEL_UID]["templating"]["list"] if v["name"] == "instance")
+    assert not instance_var["multi"] and not instance_var["includeAll"]
+    assert 'instance="$instance"' in kernel_var["query"]
+    for doc in DASHBOARDS.values():
+        for p in mc.iter_panels(doc):
+            for o in (p.get("fieldConfig") or {}).get("overrides", []):
+                for prop in o["properties"]:
+                    for link in prop.get("value", []) if prop["id"] == "links" else []:
+                        if f"/d/{KERNEL_UID}/" in link["url"]:
+                            assert "var-instance=" in link["url"], (doc["uid"], p["title"])
+
+
+def test_no_rule_or_dashboard_names_a_scrape_job() -> None:
+    """Exporters are found by gpu_alloc_build_info, not by what the scrape job is called."""
+    texts = [p.read_text() for p in mc.RULE_FILES] + [json.dumps(d) for d in DASHBOARDS.values()]
+    for text in texts:
+        assert not re.search(r'job\s*=~?\s*\\?"(?!\$job)', text), re.search(r'job\s*=~?\s*\\?"(?!\$job).{0,40}', text).group(0)
 
 
 def test_fleet_dashboard_reads_recorded_series_only() -> None:

@@ -93,8 +93,9 @@ def metric_names(expr: str) -> set[str]:
 
 
 def label_values_metric(query: str) -> str | None:
-    """The series selector of a Grafana ``label_values(selector, label)`` variable query."""
-    m = re.match(r"\s*label_values\((.*),\s*(\w+)\s*\)\s*$", query, re.S)
+    """The series selector of a Grafana ``label_values(selector, label)`` variable query, or the
+    expression of a ``query_result(expr)`` one."""
+    m = re.match(r"\s*label_values\((.*),\s*(\w+)\s*\)\s*$", query, re.S) or re.match(r"\s*query_result\((.*)\)\s*$", query, re.S)
     return m.group(1) if m else None
 
 

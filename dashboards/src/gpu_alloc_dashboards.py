@@ -8,8 +8,12 @@ Conventions, enforced by the tests:
 * every panel queries ``${datasource}``, sets a unit and a ``noValue`` text that says why it can be
   empty (unsupported by the GPU, source off, nothing to report) instead of showing a fake zero;
 * every legend names the instance, except fleet-wide aggregates;
-* the fleet dashboard reads recorded series only (``alerts/gpu-alloc.recording.yml``), one per
-  node or per kernel, so it stays fast on 1,000 nodes;
+* the fleet dashboard reads recorded series only (``alerts/gpu-alloc.recording.yml``): per node,
+  or zone aggregates (``zone_*``), all of which a global Prometheus federates or receives by
+  remote write (``deploy/prometheus/``), so it works there and stays fast on 10,000 nodes; its
+  variables come from ``instance:gpu_alloc_build_info:last``, which federates too;
+* links to the kernel dashboard always pass the node (``var-instance``): that dashboard queries
+  one node, never the fleet;
 * colour thresholds that correspond to an alert come from that alert's threshold series in the
   recording rules file, so the dashboards and the alerts never disagree.
 """
@@ -51,8 +55,8 @@ TAGS = ["gpu-alloc", "backend.ai", "gpu"]
 # Selector fragments substituted for %S in query templates.
 NODE_SEL = 'job=~"$job", instance="$instance"'
 FLEET_SEL = 'job=~"$job", agent_id=~"$agent", instance=~"$instance"'
-KERNEL_SEL = 'job=~"$job", instance=~"$instance", kernel_id="$kernel_id"'
-KERNEL_NODE_SEL = 'job=~"$job", instance=~"$instance"'
+KERNEL_SEL = 'job=~"$job", instance="$instance", kernel_id="$kernel_id"'
+KERNEL_NODE_SEL = 'job=~"$job", instance="$instance"'
 FGPU_SLOTS = 'slot=~"cuda[.](shares|device)"'
 
 # Clocks-event reasons worth showing; gpu_idle, application/display clock settings and sync
@@ -186,7 +190,8 @@ def TAB(expr: str, sel: str, **kw: Any) -> Target:
 
 def kernel_link(field: str = "kernel_id") -> dict[str, Any]:
     """Make a table's kernel_id column open the kernel drill-down."""
-    url = f"/d/{KERNEL_UID}/{KERNEL_UID}?var-kernel_id=${{__value.raw}}&${{__url_time_range}}&${{datasource:queryparam}}"
+    url = (f"/d/{KERNEL_UID}/{KERNEL_UID}?var-instance=${{__data.fields.instance}}&var-kernel_id=${{__value.raw}}"
+           f"&${{__url_time_range}}&${{datasource:queryparam}}")
     return {"matcher": {"id": "byName", "options": field},
             "properties": [{"id": "links", "value": [{"title": "Kernel drill-down", "url": url}]}]}
 
@@ -202,11 +207,12 @@ def _links() -> list[dict[str, Any]]:
              "targetBlank": False, "title": "gpu-alloc dashboards", "tooltip": "", "type": "dashboards"}]
 
 
-def _common_vars() -> list[dict[str, Any]]:
+def _common_vars(source: str = "gpu_alloc_build_info") -> list[dict[str, Any]]:
+    """Data source, job and agent; ``source`` is the series whose labels list them."""
     return [
         datasource_var(),
-        query_var("job", "Job", "label_values(gpu_alloc_build_info, job)", multi=True, include_all=True),
-        query_var("agent", "Agent", 'label_values(gpu_alloc_build_info{job=~"$job"}, agent_id)', multi=True, include_all=True,
+        query_var("job", "Job", f"label_values({source}, job)", multi=True, include_all=True),
+        query_var("agent", "Agent", f'label_values({source}{{job=~"$job"}}, agent_id)', multi=True, include_all=True,
                   description="Backend.AI agent id (--agent.id of each exporter)"),
     ]
 
@@ -532,14 +538,16 @@ def node() -> Dashboard:
 
 def fleet() -> Dashboard:
     F = FLEET_SEL
+    targets = "instance:gpu_alloc_build_info:last"
     variables = [
-        *_common_vars(),
-        query_var("instance", "Node", 'label_values(gpu_alloc_build_info{job=~"$job", agent_id=~"$agent"}, instance)', multi=True, include_all=True),
+        *_common_vars(targets),
+        query_var("instance", "Node", f'label_values({targets}{{job=~"$job", agent_id=~"$agent"}}, instance)', multi=True, include_all=True),
         _fragmentation_var(),
     ]
     d = Dashboard(FLEET_UID, "gpu-alloc / Fleet",
                   "All GPU nodes: allocation and headroom, fragmentation hot spots, idle allocations, top kernels and health. "
-                  "Reads recorded series (alerts/gpu-alloc.recording.yml) only.", TAGS, variables, _links())
+                  "Reads recorded series (alerts/gpu-alloc.recording.yml) only, so it works on a zone Prometheus, on a global "
+                  "Prometheus that federates the zones and on VictoriaMetrics (deploy/prometheus/).", TAGS, variables, _links())
     per_node = "sum by (job, instance, agent_id)"
 
     d.row("Overview")
@@ -561,13 +569,17 @@ def fleet() -> Dashboard:
              thresholds=[(None, OK), (1, BAD)], desc="GPUs lost or hung across the fleet.", no_value="no telemetry"),
     )
     d.add(
-        ts("Fleet fGPU allocated vs capacity", [T("sum(instance:gpu_alloc_fgpu_allocated:sum{%S})", "allocated", F, fleet=True),
-                                               T("sum(instance:gpu_alloc_fgpu_capacity:sum{%S})", "capacity", F, fleet=True),
-                                               T("sum(instance:gpu_alloc_idle_fgpu_allocated:sum{%S})", "allocated but idle", F, fleet=True)],
-           unit="none", decimals=1, dashed="^capacity$", desc="Totals over the selected agents.", no_value="no node reporting"),
+        ts("Fleet fGPU allocated vs capacity", [T("sum(zone:gpu_alloc_fgpu_allocated:sum)", "allocated", "", fleet=True),
+                                               T("sum(zone:gpu_alloc_fgpu_capacity:sum)", "capacity", "", fleet=True),
+                                               T("sum(zone:gpu_alloc_idle_fgpu_allocated:sum)", "allocated but idle", "", fleet=True)],
+           unit="none", decimals=1, dashed="^capacity$",
+           desc="Fleet totals over time, from each zone's recorded total (one series per zone, so the range stays cheap on "
+                "10,000 nodes): the agent and node filters do not apply here; the stats above follow them.",
+           no_value="no node reporting"),
         bargauge("Requests the fleet can still place ($fragmentation)",
-                 [I('sum by (slot, request) (instance_slot_request:gpu_alloc_request_fits:sum{%S, fragmentation="$fragmentation"})', "{{slot}} = {{request}}", F, fleet=True)],
-                 unit="none", decimals=0, desc="How many more requests of each reference size the selected nodes would take, summed.",
+                 [I('sum by (slot, request) (zone_slot_request:gpu_alloc_request_fits:sum{fragmentation="$fragmentation"})', "{{slot}} = {{request}}", "", fleet=True)],
+                 unit="none", decimals=0, desc="How many more requests of each reference size all nodes would take, summed per zone "
+                                               "and over the zones (a zone total: the agent and node filters do not apply).",
                  no_value="capacity unknown: no telemetry"),
     )
     d.add(
@@ -607,9 +619,10 @@ def fleet() -> Dashboard:
               unit="percentunit", hide=("Time", "__name__", "job", "slot"), rename={"Value": "fragmentation"}, links=[node_link()],
               desc="Nodes whose free fGPU sits mostly on partly used GPUs.", no_value="no fractional GPU node"),
         table("Stranded free fGPU",
-              [TAB('instance_slot:gpu_alloc_device_free:sum{%S, slot="cuda.shares"} >= on () group_left () global:gpu_alloc_node_free_fgpu:threshold'
+              # on (zone): a global view holds every zone's thresholds (a zone's own have no zone label).
+              [TAB('instance_slot:gpu_alloc_device_free:sum{%S, slot="cuda.shares"} >= on (zone) group_left () global:gpu_alloc_node_free_fgpu:threshold'
                    ' and on (job, instance, slot) (instance_slot:gpu_alloc_node_max_single_device_free:max{%S, slot="cuda.shares"}'
-                   ' < on () group_left () global:gpu_alloc_node_max_single_device_free:threshold)', F,
+                   ' < on (zone) group_left () global:gpu_alloc_node_max_single_device_free:threshold)', F,
                    empty_ok="lists only fragmented nodes")],
               unit="none", hide=("Time", "__name__", "job", "slot"), rename={"Value": "free fGPU"}, links=[node_link()],
               desc=f"Nodes with at least {thr('gpu_alloc_node_free_fgpu'):g} fGPU free but less than {thr('gpu_alloc_node_max_single_device_free'):g} "
@@ -619,13 +632,13 @@ def fleet() -> Dashboard:
 
     d.row("Kernels: top allocations, memory, idle")
     d.add(
-        table("Top kernels by fGPU", [TAB("topk(20, instance_kernel:gpu_alloc_kernel_fgpu_allocated:sum{%S})", F)], unit="none", w=8, h=10,
-              rename={"Value": "fGPU"}, links=[kernel_link(), node_link()], desc="The 20 largest GPU allocations in the fleet.",
+        table("Top kernels by fGPU", [TAB("topk(20, zone_kernel:gpu_alloc_kernel_fgpu_allocated:topk20{%S})", F)], unit="none", w=8, h=10,
+              rename={"Value": "fGPU"}, links=[kernel_link(), node_link()], desc="The 20 largest GPU allocations in the fleet: the top 20 of every zone's top 20 (recorded once a minute). With an agent or node filter, those of the fleet's top 20 on the selected nodes.",
               no_value="no kernel holds a GPU"),
-        table("Top kernels by GPU memory used", [TAB("topk(20, instance_kernel:gpu_alloc_kernel_memory_used_bytes:sum{%S})", F)], unit="bytes",
+        table("Top kernels by GPU memory used", [TAB("topk(20, zone_kernel:gpu_alloc_kernel_memory_used_bytes:topk20{%S})", F)], unit="bytes",
               w=8, h=10, rename={"Value": "memory used"}, links=[kernel_link(), node_link()], desc="Measured GPU memory of each kernel's processes.",
               no_value="no kernel process on a GPU, or attribution off"),
-        table("Longest idle kernels", [TAB("topk(20, instance_kernel:gpu_alloc_kernel_idle_seconds:min{%S})", F)], unit="s", w=8, h=10,
+        table("Longest idle kernels", [TAB("topk(20, zone_kernel:gpu_alloc_kernel_idle_seconds:topk20{%S})", F)], unit="s", w=8, h=10,
               rename={"Value": "idle for"}, links=[kernel_link(), node_link()],
               desc="Kernels whose every allocated GPU has been idle longest.", no_value="per-kernel use not measured"),
     )
@@ -651,12 +664,13 @@ def fleet() -> Dashboard:
               no_value="no node reporting"),
     )
     d.add(
-        ts("Fleet health over time", [T("sum(instance:gpu_alloc_devices_down:sum{%S})", "GPUs down", F, fleet=True),
-                                      T("sum(instance:gpu_alloc_throttled_devices:sum{%S})", "GPUs throttled", F, fleet=True,
+        ts("Fleet health over time", [T("sum(zone:gpu_alloc_devices_down:sum)", "GPUs down", "", fleet=True),
+                                      T("sum(zone:gpu_alloc_throttled_devices:sum)", "GPUs throttled", "", fleet=True,
                                         empty_ok="only where throttle reasons are reported"),
-                                      T("sum(instance:gpu_alloc_xid_critical_recent:count{%S})", "critical XIDs (1h)", F, fleet=True),
-                                      T("sum(instance:gpu_alloc_collector_failures:sum{%S})", "collector failures", F, fleet=True)],
-           unit="none", desc="Fleet totals of the health columns.", no_value="no node reporting"),
+                                      T("sum(zone:gpu_alloc_xid_critical_recent:sum)", "critical XIDs (1h)", "", fleet=True),
+                                      T("sum(zone:gpu_alloc_collector_failures:sum)", "collector failures", "", fleet=True)],
+           unit="none", desc="Fleet totals of the health columns over time, from each zone's recorded totals (the agent and node "
+                             "filters do not apply).", no_value="no node reporting"),
         table("Firing gpu-alloc alerts", [TAB('ALERTS{alertname=~"GpuAlloc.*", alertstate="firing"}', "",
                                               empty_ok="nothing fires on a healthy fleet")],
               unit="none", hide=("Time", "__name__", "alertstate", "Value"), links=[node_link()],
@@ -672,9 +686,16 @@ def kernel() -> Dashboard:
     K, N = KERNEL_SEL, KERNEL_NODE_SEL
     variables = [
         *_common_vars(),
-        query_var("instance", "Node", 'label_values(gpu_alloc_build_info{job=~"$job", agent_id=~"$agent"}, instance)', multi=True, include_all=True),
-        query_var("kernel_id", "Kernel", 'label_values(gpu_alloc_kernel_info{job=~"$job", instance=~"$instance"}, kernel_id)',
-                  description="Backend.AI kernel id (the scratch directory name)"),
+        # One node, never All: every query below is bounded to one node's series (links from
+        # alerts and tables pass var-instance), and the kernel list is that node's kernels only.
+        query_var("instance", "Node", 'label_values(gpu_alloc_build_info{job=~"$job", agent_id=~"$agent"}, instance)',
+                  description="The node the kernel runs on (alerts and tables pass it in the link)"),
+        # An instant query of the node's kernels: Prometheus 2.42 answers label_values(…, kernel_id)
+        # by intersecting the node's series with every kernel_id value of the zone (0.9 s at 57,000
+        # kernels), the instant query reads the node's ~60 series (BENCHMARKS.md, "Fleet").
+        query_var("kernel_id", "Kernel", 'query_result(gpu_alloc_kernel_info{job=~"$job", instance="$instance"})',
+                  regex='/kernel_id="([^"]+)"/',
+                  description="Backend.AI kernel id (the scratch directory name) on the selected node"),
     ]
     d = Dashboard(KERNEL_UID, "gpu-alloc / Kernel",
                   "One Backend.AI kernel: what it holds, what it uses, whether it is idle or stale, and the devices it shares.",

@@ -30,6 +30,12 @@ __all__ = [
 # Grafana 10.4 / 11.0 write schemaVersion 39; newer Grafana migrates it on load.
 SCHEMA_VERSION = 39
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
+# Grafana's import dialog asks for a data source for every entry of ``__inputs`` and replaces
+# ``${DS_PROMETHEUS}`` in the JSON with its uid: here the default of the ``datasource`` variable.
+# File provisioning skips the dialog; the variable then falls back to the default data source.
+DS_INPUT = "DS_PROMETHEUS"
+INPUTS = [{"name": DS_INPUT, "label": "Prometheus", "description": "Prometheus (or VictoriaMetrics) holding the gpu-alloc series",
+           "type": "datasource", "pluginId": "prometheus", "pluginName": "Prometheus"}]
 GRID_COLUMNS = 24
 
 # Colours by name so a reader of the JSON sees intent, not hex codes.
@@ -133,12 +139,14 @@ class Panel:
 
 
 def datasource_var() -> dict[str, Any]:
-    return {"hide": 0, "label": "Data source", "name": "datasource", "query": "prometheus", "refresh": 1, "regex": "", "type": "datasource"}
+    return {"current": {"selected": False, "text": f"${{{DS_INPUT}}}", "value": f"${{{DS_INPUT}}}"},
+            "hide": 0, "label": "Data source", "name": "datasource", "query": "prometheus", "refresh": 1, "regex": "", "type": "datasource"}
 
 
 def query_var(name: str, label: str, query: str, *, multi: bool = False, include_all: bool = False, all_value: str = ".*",
-              description: str = "") -> dict[str, Any]:
-    """A Prometheus query variable (``label_values(...)``), refreshed when the time range changes."""
+              description: str = "", regex: str = "") -> dict[str, Any]:
+    """A Prometheus query variable (``label_values(...)``, or ``query_result(...)`` with a ``regex``
+    that extracts the value), refreshed when the time range changes."""
     out: dict[str, Any] = {
         "datasource": DATASOURCE,
         "hide": 0,
@@ -148,7 +156,7 @@ def query_var(name: str, label: str, query: str, *, multi: bool = False, include
         "name": name,
         "query": query,
         "refresh": 2,
-        "regex": "",
+        "regex": regex,
         "sort": 1,
         "type": "query",
     }
@@ -217,6 +225,7 @@ class Dashboard:
             out_panels.append(item.to_json(next_id, x, y))
             next_id, x, line_h = next_id + 1, x + item.w, max(line_h, item.h)
         return {
+            "__inputs": INPUTS,
             "annotations": {"list": [{
                 "builtIn": 1, "datasource": {"type": "grafana", "uid": "-- Grafana --"}, "enable": True, "hide": True,
                 "iconColor": "rgba(0, 211, 255, 1)", "name": "Annotations & Alerts", "type": "dashboard",

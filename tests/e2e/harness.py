@@ -204,34 +204,10 @@ def e2e_rules(dest: Path, rule_files: list[Path]) -> list[Path]:
     return out
 
 
-class Prometheus(Process):
-    def __init__(self, work: Path, rule_files: list[Path], targets: list[dict[str, Any]], alertmanager: str,
-                 interval: str = "500ms") -> None:
-        self.port = free_port()
-        config = {
-            "global": {"scrape_interval": interval, "evaluation_interval": interval, "scrape_timeout": interval},
-            "rule_files": [str(p) for p in rule_files],
-            "alerting": {"alertmanagers": [{"static_configs": [{"targets": [alertmanager]}]}]},
-            "scrape_configs": targets,
-        }
-        path = work / "prometheus.yml"
-        path.write_text(yaml.safe_dump(config, sort_keys=False))
-        check = subprocess.run(["promtool", "check", "config", str(path)], capture_output=True, text=True, timeout=30)
-        if check.returncode != 0:
-            raise AssertionError(f"promtool check config:\n{check.stdout}{check.stderr}")
-        super().__init__("prometheus", ["prometheus", f"--config.file={path}", f"--storage.tsdb.path={work / 'prom-data'}",
-                                        f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"], work)
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.start_checked(self._ready, "Prometheus to be ready")
+class QueryAPI:
+    """The Prometheus HTTP query API, which VictoriaMetrics serves too."""
 
-    def _ready(self) -> bool:
-        if not self.alive():
-            raise AssertionError("prometheus exited:\n" + self.log())
-        try:
-            with urllib.request.urlopen(self.url + "/-/ready", timeout=1) as r:
-                return r.status == 200
-        except (urllib.error.URLError, OSError):
-            return False
+    url: str
 
     def api(self, path: str, **params: str) -> Any:
         url = f"{self.url}/api/v1/{path}" + (("?" + urllib.parse.urlencode(params)) if params else "")
@@ -254,6 +230,95 @@ class Prometheus(Process):
 
 class PromQLError(Exception):
     pass
+
+
+def _http_ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+class Prometheus(Process, QueryAPI):
+    """Debian's Prometheus on a loopback port. Either the parts of a config (rule files, scrape
+    targets, an Alertmanager) or a whole ``config`` document; checked with promtool first."""
+
+    def __init__(self, work: Path, rule_files: list[Path] | None = None, targets: list[dict[str, Any]] | None = None,
+                 alertmanager: str | None = None, interval: str = "500ms", *, config: dict[str, Any] | None = None,
+                 name: str = "prometheus") -> None:
+        self.port = free_port()
+        if config is None:
+            config = {
+                "global": {"scrape_interval": interval, "evaluation_interval": interval, "scrape_timeout": interval},
+                "rule_files": [str(p) for p in rule_files or []],
+                "scrape_configs": targets or [],
+            }
+            if alertmanager:
+                config["alerting"] = {"alertmanagers": [{"static_configs": [{"targets": [alertmanager]}]}]}
+        path = work / f"{name}.yml"
+        path.write_text(yaml.safe_dump(config, sort_keys=False))
+        check = subprocess.run(["promtool", "check", "config", str(path)], capture_output=True, text=True, timeout=30)
+        if check.returncode != 0:
+            raise AssertionError(f"promtool check config:\n{check.stdout}{check.stderr}")
+        super().__init__(name, ["prometheus", f"--config.file={path}", f"--storage.tsdb.path={work / (name + '-data')}",
+                                f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"], work)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.address = f"127.0.0.1:{self.port}"
+        self.start_checked(self._ready, f"{name} to be ready")
+
+    def _ready(self) -> bool:
+        if not self.alive():
+            raise AssertionError(f"{self.name} exited:\n" + self.log())
+        return _http_ready(self.url + "/-/ready")
+
+
+class VictoriaMetrics(Process, QueryAPI):
+    """Debian's single-node VictoriaMetrics: a remote-write receiver with the Prometheus query API.
+    Data is visible to queries at once (``-search.latencyOffset=0s``; the default hides the last 30 s)."""
+
+    def __init__(self, work: Path, name: str = "victoria-metrics") -> None:
+        self.port = free_port()
+        super().__init__(name, ["victoria-metrics", f"-storageDataPath={work / (name + '-data')}", f"-httpListenAddr=127.0.0.1:{self.port}",
+                                "-retentionPeriod=1", "-search.latencyOffset=0s", "-search.disableCache", "-loggerLevel=WARN"], work)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.write_url = f"{self.url}/api/v1/write"
+        self.start_checked(self._ready, f"{name} to be ready")
+
+    def _ready(self) -> bool:
+        if not self.alive():
+            raise AssertionError(f"{self.name} exited:\n" + self.log())
+        return _http_ready(self.url + "/health")
+
+
+class VMAlert(Process):
+    """Debian's vmalert: evaluates rule files against a VictoriaMetrics and writes recorded series
+    and alert state (ALERTS) back to it."""
+
+    def __init__(self, work: Path, rule_files: list[Path], vm: VictoriaMetrics, notifier: str, interval: str = "1s") -> None:
+        self.port = free_port()
+        super().__init__("vmalert", ["vmalert", *(f"-rule={p}" for p in rule_files), f"-datasource.url={vm.url}",
+                                     f"-remoteWrite.url={vm.url}", f"-notifier.url={notifier}", f"-evaluationInterval={interval}",
+                                     "-remoteWrite.flushInterval=500ms", f"-httpListenAddr=127.0.0.1:{self.port}", "-loggerLevel=WARN"], work)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.start_checked(self._ready, "vmalert to be ready")
+
+    def _ready(self) -> bool:
+        if not self.alive():
+            raise AssertionError("vmalert exited:\n" + self.log())
+        return _http_ready(self.url + "/health")
+
+    def groups(self) -> list[dict[str, Any]]:
+        try:
+            with urllib.request.urlopen(self.url + "/api/v1/rules", timeout=5) as r:
+                return json.loads(r.read())["data"]["groups"]
+        except urllib.error.HTTPError as e:
+            raise AssertionError(f"vmalert /api/v1/rules: {e.code}: {e.read().decode(errors='replace')[:500]}") from None
+
+    def alerts(self) -> list[dict[str, Any]]:
+        """Active (pending and firing) alerts with labels and expanded annotations."""
+        with urllib.request.urlopen(self.url + "/api/v1/alerts", timeout=5) as r:
+            return json.loads(r.read())["data"]["alerts"]
 
 
 class Alertmanager(Process):
