@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 import dashboard_schema  # noqa: E402
 import monitoring_checks as mc  # noqa: E402
-from gpu_alloc_dashboards import FLEET_UID, KERNEL_UID, NODE_UID, expected_empty, rendered  # noqa: E402
+from gpu_alloc_dashboards import FLEET_UID, KERNEL_UID, NODE_UID, SESSIONS_UID, expected_empty, rendered  # noqa: E402
 
 DASHBOARDS = mc.load_dashboards()
 BY_UID = {doc["uid"]: doc for doc in DASHBOARDS.values()}
@@ -97,7 +97,7 @@ def test_the_linter_reports_a_broken_dashboard() -> None:
 
 
 def test_fixed_uids_and_variables() -> None:
-    assert set(BY_UID) == {NODE_UID, FLEET_UID, KERNEL_UID}
+    assert set(BY_UID) == {NODE_UID, FLEET_UID, KERNEL_UID, SESSIONS_UID}
     for uid, doc in BY_UID.items():
         names = [v["name"] for v in doc["templating"]["list"]]
         assert names[:3] == ["datasource", "job", "agent"], uid
@@ -114,6 +114,10 @@ def test_fixed_uids_and_variables() -> None:
     instance_var = next(v for v in BY_UID[KERNEL_UID]["templating"]["list"] if v["name"] == "instance")
     assert not instance_var["multi"] and not instance_var["includeAll"]
     assert 'instance="$instance"' in kernel_var["query"]
+    # Sessions and users: one node, users and sessions from the identity info series of that node.
+    names = [v["name"] for v in BY_UID[SESSIONS_UID]["templating"]["list"]]
+    assert names[3:] == ["instance", "user", "session"]
+    assert all("gpu_alloc_kernel_identity_info" in v["query"] for v in BY_UID[SESSIONS_UID]["templating"]["list"][4:])
     for doc in DASHBOARDS.values():
         for p in mc.iter_panels(doc):
             for o in (p.get("fieldConfig") or {}).get("overrides", []):

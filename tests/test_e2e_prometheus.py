@@ -57,6 +57,7 @@ class Binding:
 
     def values(self, fragmentation: str) -> dict[str, str]:
         return {"job": JOB, "agent": ".*", "instance": self.instance, "kernel_id": self.kernel_id, "fragmentation": fragmentation,
+                "user": ".*", "session": ".*",
                 "datasource": "prometheus", "__rate_interval": "5s", "__interval": "1s"}
 
 

@@ -49,7 +49,7 @@ ROOT = Path(__file__).resolve().parents[2]
 RECORDING_RULES = ROOT / "alerts" / "gpu-alloc.recording.yml"
 OUT = ROOT / "dashboards"
 
-NODE_UID, FLEET_UID, KERNEL_UID = "gpu-alloc-node", "gpu-alloc-fleet", "gpu-alloc-kernel"
+NODE_UID, FLEET_UID, KERNEL_UID, SESSIONS_UID = "gpu-alloc-node", "gpu-alloc-fleet", "gpu-alloc-kernel", "gpu-alloc-sessions"
 TAGS = ["gpu-alloc", "backend.ai", "gpu"]
 
 # Selector fragments substituted for %S in query templates.
@@ -765,9 +765,81 @@ def kernel() -> Dashboard:
     return d
 
 
+def sessions() -> Dashboard:
+    """Backend.AI's sessions and users on one node: who holds which GPU, allocated against measured
+    use by user and by session, the longest-idle sessions and GPU-hours (chargeback).
+
+    Identity sits on one info series per kernel (``gpu_alloc_kernel_identity_info``); every panel
+    joins it with ``group_left``, so no per-kernel family carries identity labels."""
+    N = KERNEL_NODE_SEL
+    who = 'gpu_alloc_kernel_identity_info{%S, user_id=~"$user", session_id=~"$session"}'
+    join = f"on (job, instance, kernel_id) group_left (user_id, session_id) {who}"
+    variables = [
+        *_common_vars(),
+        query_var("instance", "Node", 'label_values(gpu_alloc_build_info{job=~"$job", agent_id=~"$agent"}, instance)',
+                  description="One node: every query below is bounded to its kernels"),
+        query_var("user", "User", 'label_values(gpu_alloc_kernel_identity_info{job=~"$job", instance="$instance"}, user_id)',
+                  multi=True, include_all=True, description="Backend.AI owner user id (recovery.json; undefined when unknown)"),
+        query_var("session", "Session",
+                  'label_values(gpu_alloc_kernel_identity_info{job=~"$job", instance="$instance", user_id=~"$user"}, session_id)',
+                  multi=True, include_all=True, description="Backend.AI session id"),
+    ]
+    d = Dashboard(SESSIONS_UID, "gpu-alloc / Sessions and users",
+                  "Backend.AI sessions and users on one node: who holds each GPU, allocated against measured use, idle sessions, GPU-hours.",
+                  TAGS, variables, _links())
+    # GPUs held per kernel (a MIG slice or an fGPU share as its fraction of the physical GPU).
+    held = "sum by (job, instance, kernel_id) (gpu_alloc_kernel_gpu_share_ratio{%S})"
+    used = f"({held} * on (job, instance, kernel_id) gpu_alloc_kernel_measured_utilization_ratio{{%S}})"
+
+    d.row("Allocated against measured use")
+    for by, label in (("user_id", "user"), ("session_id", "session")):
+        d.add(
+            ts(f"GPUs by {label}: allocated and used",
+               [T(f"sum by (instance, {by}) ({held} * {join})", f"{{{{instance}}}} {{{{{by}}}}} allocated", N),
+                T(f"sum by (instance, {by}) ({used} * {join})", f"{{{{instance}}}} {{{{{by}}}}} used", N,
+                  empty_ok="no measured use (MIG, no process list, or attribution off)")],
+               unit="none", decimals=2, dashed=".* used$",
+               desc=f"Physical GPUs each {label} holds (fGPU shares as a fraction of the GPU, MIG slices as theirs), and the part "
+                    "its processes keep busy (held × measured SM utilisation). A failed measurement leaves the used line out, never 0.",
+               no_value="no kernel with an identity (recovery.json) on this node"),
+        )
+
+    d.row("Who holds each GPU")
+    d.add(
+        table("Holders per GPU",
+              [TAB("gpu_alloc_kernel_gpu_share_ratio{%S} * on (job, instance, kernel_id) group_left (user_id, session_id, session_type) "
+                   + who.replace("%S", "%S"), N)],
+              unit="none", hide=("Time", "__name__", "job", "instance", "agent_id", "project_id"), rename={"Value": "share of the GPU"},
+              links=[kernel_link()], w=24,
+              desc="Every kernel on each physical GPU with its session, user and share (fGPU, whole GPU or MIG slice): the blast "
+                   "radius when a GPU fails (GpuAllocSessionsOnUnhealthyGpu).",
+              no_value="no kernel holds a GPU"),
+    )
+
+    d.row("Idle sessions and GPU-hours")
+    d.add(
+        table("Longest-idle sessions",
+              [TAB(f"topk(10, max by (instance, session_id, user_id) (max by (job, instance, kernel_id) (gpu_alloc_kernel_idle_seconds{{%S}}) * {join}))",
+                   N, empty_ok="no kernel below the idle threshold")],
+              unit="s", hide=("Time",), rename={"Value": "idle for"},
+              desc="Sessions whose kernels have been below the idle threshold longest (the longest of their devices).",
+              no_value="no idle session (or attribution off)"),
+        bargauge("GPU-hours by user (chargeback, over the range)",
+                 [I(f"sum by (instance, user_id) (increase(gpu_alloc_kernel_allocated_gpu_seconds_total{{%S}}[$__range]) * {join}) / 3600",
+                    "{{instance}} {{user_id}}", N)],
+                 unit="none", decimals=2,
+                 desc="Allocated GPU-hours per user over the dashboard's range, from counters the exporter integrates itself "
+                      "(exact however Prometheus scrapes; increase() spans restarts). Kernels ended more than 10 minutes before "
+                      "the range's end are no longer joined to a user: docs/backendai.md has the fleet query.",
+                 no_value="no kernel with an identity held a GPU in the range"),
+    )
+    return d
+
+
 def dashboards() -> dict[str, Dashboard]:
     """File name (in ``dashboards/``) → dashboard."""
-    return {"gpu-alloc-node.json": node(), "gpu-alloc-fleet.json": fleet(), "gpu-alloc-kernel.json": kernel()}
+    return {"gpu-alloc-node.json": node(), "gpu-alloc-fleet.json": fleet(), "gpu-alloc-kernel.json": kernel(),
+            "gpu-alloc-sessions.json": sessions()}
 
 
 def rendered() -> dict[Path, str]:
