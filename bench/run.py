@@ -505,6 +505,24 @@ def render(r: dict, command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+# Sections of BENCHMARKS.md that other benchmarks write (bench/hostile.py, bench/identity_storm.py,
+# bench/scale.py, bench/fleet.py): kept as they are when this suite rewrites its own part.
+_OTHER_SECTIONS = ("## g. ", "## h. ", "## Protocol libraries", "## Identity storm", "## Fleet")
+
+
+def write_report(out: Path, text: str) -> None:
+    """Write this suite's report, keeping the sections other benchmarks own from the old file."""
+    kept = []
+    if out.exists():
+        old = out.read_text()
+        starts = sorted(i for marker in _OTHER_SECTIONS for i in [old.find("\n" + marker)] if i >= 0)
+        for n, start in enumerate(starts):
+            end = next((i for i in [old.find("\n## ", start + 1)] if i >= 0), len(old))
+            end = min(end, starts[n + 1]) if n + 1 < len(starts) else end
+            kept.append(old[start:end].strip("\n"))
+    out.write_text(text.rstrip("\n") + ("\n\n" + "\n\n".join(kept) if kept else "") + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="short development run (< 3 min)")
@@ -525,7 +543,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.notes.exists():
             r["notes"] = args.notes.read_text()
         out = args.out or (REPO / "bench" / "results" / "quick.md" if r["quick"] else REPO / "BENCHMARKS.md")
-        out.write_text(render(r, "python bench/run.py" + (" --quick" if r["quick"] else "")))
+        write_report(out, render(r, "python bench/run.py" + (" --quick" if r["quick"] else "")))
         log(f"wrote {out}")
         return 0
     quick = args.quick
@@ -590,7 +608,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.notes.exists():
         r["notes"] = args.notes.read_text()
     raw.write_text(json.dumps(r, indent=1) + "\n")
-    out.write_text(render(r, command))
+    write_report(out, render(r, command))
     log(f"wrote {out} and {raw}")
     missed = [t for t in targets(r) if not t[3]]
     for name, _, measured, _ in missed:
