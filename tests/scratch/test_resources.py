@@ -17,7 +17,6 @@ from exporter.scratch.resources import (
     ResourceParseError,
     ResourceSpec,
     SlotKind,
-    parse_binary_size,
     parse_resource,
     slot_kind,
 )
@@ -180,22 +179,6 @@ def test_every_shares_line_is_a_slot(line: str, slot: str, device: str, amount: 
 def test_slot_kinds() -> None:
     assert slot_kind("mem") is SlotKind.BYTES and slot_kind("cuda.mem") is SlotKind.BYTES
     assert slot_kind("cuda.shares") is SlotKind.COUNT and slot_kind("cuda.device:1g.5gb-mig") is SlotKind.COUNT
-
-
-@pytest.mark.parametrize(
-    ("text", "expected"),
-    [("0", 0), ("512", 512), ("1k", 1024), ("512m", 512 * 2**20), ("1.5g", 3 * 2**29), ("4GiB", 4 * 2**30),
-     ("4 GiB", 4 * 2**30), ("4gb", 4 * 2**30), ("14.76g", 15848429322), ("10t", 10 * 2**40), ("1_024", 1024),
-     ("536870912.000000", 536870912)],
-)
-def test_binary_size(text: str, expected: int) -> None:
-    assert parse_binary_size(text) == expected
-
-
-@pytest.mark.parametrize("text", ["1.5", "", "g", "abc", "-1g", "inf", "nang"])
-def test_binary_size_rejects(text: str) -> None:
-    with pytest.raises(ValueError):
-        parse_binary_size(text)
 
 
 @pytest.mark.parametrize(
