@@ -277,6 +277,10 @@ class Scanner:
         else:
             error = None
         for kernel_id in self.book.known(root) - seen:
+            if error is None and os.path.isdir(os.path.join(root, kernel_id)) and not os.path.islink(os.path.join(root, kernel_id)):
+                # Created after the listing and already read from its event: not gone.
+                seen.add(kernel_id)
+                continue
             self._seen.pop(kernel_id, None)
             self._seen_identity.pop(kernel_id, None)
             self.book.remove(kernel_id)
