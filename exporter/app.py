@@ -48,7 +48,7 @@ from exporter.analysis.node import (
 )
 from exporter.analysis.placement import NoFragRule
 from exporter.analysis.placement import Request as PlacementRequest
-from exporter.metrics.parts import exporter_parts
+from exporter.metrics.parts import SeriesOptions, exporter_parts
 from exporter.metrics.registry import ExporterCollector
 from exporter.scratch.allocation import AllocationBook, AllocationView
 from exporter.scratch.identity import UNDEFINED
@@ -196,7 +196,9 @@ class Exporter:
         self._ready = threading.Event()
         self.collector = ExporterCollector(
             exporter_parts(self, telemetry_source=self._source.name, agent_id=self.layout.default_agent_id,
-                           process_detail=settings.attribution_process_detail, layout=self.layout),
+                           series=SeriesOptions(settings.attribution_process_detail, settings.attribution_kernel_series,
+                                                settings.attribution_breach_series, settings.telemetry_throttle_reasons),
+                           layout=self.layout),
             clock,
         )
         self.routes = Routes(self, list(self.layout.roots), settings.alloc_map_format)

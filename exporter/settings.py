@@ -116,6 +116,20 @@ class Settings(BaseSettings):
         default=False, description="add per-process series with a pid label (raises cardinality)",
         json_schema_extra=_flag("--attribution.process-detail"),
     )
+    attribution_kernel_series: Literal["per-device", "per-kernel", "off"] = Field(
+        default="per-device",
+        description="per-kernel attribution series: per kernel and device, collapsed per kernel (no device_id), or off",
+        json_schema_extra=_flag("--attribution.kernel-series"),
+    )
+    attribution_breach_series: Literal["all", "active"] = Field(
+        default="all", description="gpu_alloc_kernel_isolation_breach for every kernel and device (0 or 1), or only while 1",
+        json_schema_extra=_flag("--attribution.breach-series"),
+    )
+    telemetry_throttle_reasons: Literal["all", "alerting", "active"] = Field(
+        default="all",
+        description="throttle-reason series: all nine per GPU, the five the shipped rules read, or only those active",
+        json_schema_extra=_flag("--telemetry.throttle-reasons"),
+    )
     attribution_idle_threshold_ratio: float = Field(
         default=0.05, ge=0, le=1, description="utilisation (0-1) below which an allocated device counts as idle",
         json_schema_extra=_flag("--attribution.idle-threshold-ratio"),

@@ -17,7 +17,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from exporter.analysis.attribution import AttributionResult
 from exporter.metrics.status import Health
 
-__all__ = ["attribution_families", "attribution_health"]
+__all__ = ["BREACH_SERIES", "KERNEL_SERIES", "attribution_families", "attribution_health"]
 
 _KERNEL = ["kernel_id", "device_id"]
 _UNATTRIBUTED = ["device_id", "reason"]
@@ -51,22 +51,40 @@ def _gauge(name: str, documentation: str, labels: list[str]) -> GaugeMetricFamil
     return GaugeMetricFamily(name, documentation, labels=labels)
 
 
-def attribution_families(result: AttributionResult | None, *, process_detail: bool = False) -> list[Metric]:
+KERNEL_SERIES = ("per-device", "per-kernel", "off")
+BREACH_SERIES = ("all", "active")
+
+
+def attribution_families(
+    result: AttributionResult | None,
+    *,
+    process_detail: bool = False,
+    kernel_series: str = "per-device",
+    breach_series: str = "all",
+) -> list[Metric]:
     """Families for one result; None (no telemetry sample attributed yet) has none.
 
     :param process_detail: add per-process families labelled with ``pid`` (one series per GPU
         process and device: for debugging, off by default).
+    :param kernel_series: the per-kernel families (``--attribution.kernel-series``): one series per
+        kernel and device, collapsed to one per kernel (no ``device_id``: processes and memory
+        summed, utilisation the busiest device, idle and no-process time the shortest), or none.
+    :param breach_series: ``all`` (0 or 1 for every kernel and device) or ``active`` (only the 1s:
+        the rules count breaches from those alone).
     """
     if result is None:
         return []
 
-    kernel = [(_gauge(name, doc, _KERNEL), field) for name, doc, field in _KERNEL_FAMILIES]
-    breach = _gauge("gpu_alloc_kernel_isolation_breach", "1 if the kernel runs processes on a device it was not allocated, else 0", _KERNEL)
-    for usage in result.kernels:
-        labels = [usage.kernel_id, usage.device_id]
-        breach.add_metric(labels, 0 if usage.allocated else 1)
+    labels_of = _KERNEL if kernel_series == "per-device" else ["kernel_id"]
+    kernel = [(_gauge(name, doc, labels_of), field) for name, doc, field in _KERNEL_FAMILIES]
+    breach = _gauge("gpu_alloc_kernel_isolation_breach", "1 if the kernel runs processes on a device it was not allocated, else 0", labels_of)
+    rows = _collapsed(result.kernels) if kernel_series == "per-kernel" else [
+        ([u.kernel_id, u.device_id], 0 if u.allocated else 1, {f: getattr(u, f) for _, _, f in _KERNEL_FAMILIES}) for u in result.kernels]
+    for labels, breached, values in ([] if kernel_series == "off" else rows):
+        if breached or breach_series == "all":
+            breach.add_metric(labels, breached)
         for family, field in kernel:
-            if (value := getattr(usage, field)) is not None:
+            if (value := values[field]) is not None:
                 family.add_metric(labels, value)
 
     processes = _gauge(
@@ -89,7 +107,8 @@ def attribution_families(result: AttributionResult | None, *, process_detail: bo
     for device_id, ok in sorted(result.devices.items()):
         attributable.add_metric([device_id], int(ok))
 
-    families = [*(f for f, _ in kernel), breach, processes, memory, attributable]
+    families = [*(f for f, _ in kernel), breach, processes, memory, attributable] if kernel_series != "off" else [
+        processes, memory, attributable]
     if process_detail:
         p_memory = _gauge("gpu_alloc_process_memory_used_bytes", "GPU memory used by one process (kernel_id empty when unattributed)", _PROCESS)
         p_util = _gauge("gpu_alloc_process_utilization_ratio", "SM utilisation of one process (0-1) from NVML per-process samples", _PROCESS)
@@ -106,3 +125,22 @@ def attribution_families(result: AttributionResult | None, *, process_detail: bo
 def attribution_health(result: AttributionResult | None) -> Health:
     """Failed until a telemetry sample has been attributed; then the last pass's duration."""
     return Health(False) if result is None else Health(True, result.duration_seconds)
+
+
+# How the per-device figures of one kernel combine when collapsed to one series per kernel.
+_COMBINE = {"processes": sum, "memory_used_bytes": sum, "utilization_ratio": max, "idle_seconds": min, "no_process_seconds": min}
+
+
+def _collapsed(usages) -> list[tuple[list[str], int, dict]]:
+    """One row per kernel: a figure is absent if any device lacks it (never a partial sum)."""
+    by_kernel: dict[str, list] = {}
+    for u in usages:
+        by_kernel.setdefault(u.kernel_id, []).append(u)
+    rows = []
+    for kernel_id, us in sorted(by_kernel.items()):
+        values = {}
+        for field, combine in _COMBINE.items():
+            figures = [getattr(u, field) for u in us]
+            values[field] = None if any(f is None for f in figures) else combine(figures)
+        rows.append(([kernel_id], int(any(not u.allocated for u in us)), values))
+    return rows

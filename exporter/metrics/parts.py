@@ -8,6 +8,7 @@ so this layer depends on the data it renders, never on the wiring that produces 
 from __future__ import annotations
 
 from collections.abc import Hashable
+from dataclasses import dataclass
 from typing import Protocol
 
 from prometheus_client.core import Metric
@@ -50,25 +51,37 @@ class NodeReader(Protocol):
     def agent_headroom(self) -> dict[str, dict[str, AgentHeadroom]]: ...
 
 
+@dataclass(frozen=True)
+class SeriesOptions:
+    """Which optional series the exporter serves: the cardinality switches (docs/deploy.md)."""
+
+    process_detail: bool = False  # --attribution.process-detail
+    kernel_series: str = "per-device"  # --attribution.kernel-series
+    breach_series: str = "all"  # --attribution.breach-series
+    throttle_reasons: str = "all"  # --telemetry.throttle-reasons
+
+
 def exporter_parts(
-    node: NodeReader, *, telemetry_source: str, agent_id: str | None, process_detail: bool, layout: AgentLayout | None = None
+    node: NodeReader, *, telemetry_source: str, agent_id: str | None, series: SeriesOptions | None = None,
+    layout: AgentLayout | None = None,
 ) -> list[Part]:
     """Each part with the token its output depends on (see :meth:`ExporterCollector.render`).
 
     :param telemetry_source: the telemetry part's ``collector`` name: the source's own (``nvml``,
         ``mock``, ``none``), fixed for the life of the exporter.
     :param agent_id: the ``agent_id`` label of ``gpu_alloc_build_info``.
-    :param process_detail: export per-process attribution series (``--attribution.process-detail``).
+    :param series: the cardinality switches; None: every series (the defaults).
     :param layout: the host's agents; a multi-agent host gets the ``agents`` part (per-agent
         families), a single-agent one no extra part, so its exposition stays as it was.
     """
+    series = series or SeriesOptions()
     book, watcher = node.book, node.watcher
     kernel_text = KernelText(agent_id)
 
     def telemetry() -> list[Metric]:
         view, snapshot = book.view(), node.snapshot()
         resolver = node.resolver(view, snapshot)
-        return telemetry_families(snapshot, resolver) + unknown_device_families(view, snapshot, resolver)
+        return telemetry_families(snapshot, resolver, series.throttle_reasons) + unknown_device_families(view, snapshot, resolver)
 
     def inventory() -> Inventory:
         view, snapshot = book.view(), node.snapshot()
@@ -103,7 +116,8 @@ def exporter_parts(
         Part(telemetry_source, telemetry, lambda: (book.version, node.sampler_version()),
              health=lambda: telemetry_health(node.snapshot())),
         Part("headroom", headroom, headroom_token),
-        Part("attribution", lambda: attribution_families(node.analysis.attribution, process_detail=process_detail),
+        Part("attribution", lambda: attribution_families(node.analysis.attribution, process_detail=series.process_detail,
+                                                         kernel_series=series.kernel_series, breach_series=series.breach_series),
              lambda: node.analysis.version, health=lambda: attribution_health(node.analysis.attribution)),
         Part("accounting", lambda: accounting_families(node.analysis.accounting), lambda: node.analysis.version,
              health=lambda: accounting_health(node.analysis.accounting)),

@@ -23,7 +23,7 @@ from exporter.metrics.status import Health
 from exporter.telemetry.devices import DeviceResolver
 from exporter.telemetry.model import DeviceReading, MigDeviceReading, TelemetrySnapshot
 
-__all__ = ["telemetry_families", "telemetry_health"]
+__all__ = ["ALERTING_THROTTLE_REASONS", "THROTTLE_SERIES", "telemetry_families", "telemetry_health"]
 
 _Getter = Callable[[DeviceReading], Any]
 
@@ -138,7 +138,14 @@ def _text(value: object) -> str:
     return "" if value is None else str(value)
 
 
-def telemetry_families(snapshot: TelemetrySnapshot, resolver: DeviceResolver) -> list[Metric]:
+THROTTLE_SERIES = ("all", "alerting", "active")
+# The reasons the shipped rules read (GpuAllocThermalThrottle, GpuAllocHardwareSlowdown and their
+# recordings); with ``--telemetry.throttle-reasons alerting`` only these are served.
+ALERTING_THROTTLE_REASONS = frozenset({"sw_power_cap", "hw_slowdown", "sw_thermal_slowdown", "hw_thermal_slowdown",
+                                       "hw_power_brake_slowdown"})
+
+
+def telemetry_families(snapshot: TelemetrySnapshot, resolver: DeviceResolver, throttle_series: str = "all") -> list[Metric]:
     """All telemetry families for ``snapshot``; empty for the ``none`` source.
 
     Families: ``gpu_alloc_collector_{success,duration_seconds,last_success_timestamp_seconds}``
@@ -182,7 +189,10 @@ def telemetry_families(snapshot: TelemetrySnapshot, resolver: DeviceResolver) ->
             for part, get in parts:
                 out.add(kind, name, help_text, {**label, label_name: part}, get(device))
         for reason, active in device.throttle_reasons.items():
-            out.add("gauge", *_THROTTLE, {**label, "reason": reason}, active)
+            # --telemetry.throttle-reasons: every reason (0 or 1), the ones the rules read, or the active ones.
+            if throttle_series == "all" or (throttle_series == "alerting" and reason in ALERTING_THROTTLE_REASONS) or (
+                    throttle_series == "active" and active):
+                out.add("gauge", *_THROTTLE, {**label, "reason": reason}, active)
         for mig in device.mig_devices:
             mig_id = resolver.label(mig)
             placement = mig.placement

@@ -131,3 +131,30 @@ def test_promtool_check_metrics_is_clean(result):
     checked = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True)
     assert checked.returncode == 0, checked.stderr.decode()
 
+
+
+def _series(reg: CollectorRegistry, prefix: str) -> list:
+    return [s for m in reg.collect() if m.name.startswith(prefix) for s in m.samples]
+
+
+def test_kernel_series_collapse_per_kernel_or_go(result):
+    per_device = registry_for(result)
+    per_kernel = registry_for(result, kernel_series="per-kernel")
+    off = registry_for(result, kernel_series="off")
+    # Collapsed: one series per kernel, no device_id; processes and memory summed over its devices.
+    assert all("device_id" not in s.labels for s in _series(per_kernel, "gpu_alloc_kernel_"))
+    assert per_kernel.get_sample_value("gpu_alloc_kernel_processes", {"kernel_id": K1}) == sum(
+        s.value for s in _series(per_device, "gpu_alloc_kernel_processes") if s.labels["kernel_id"] == K1)
+    assert per_kernel.get_sample_value("gpu_alloc_kernel_memory_used_bytes", {"kernel_id": K1}) == sum(
+        s.value for s in _series(per_device, "gpu_alloc_kernel_memory_used_bytes") if s.labels["kernel_id"] == K1)
+    assert len(_series(per_kernel, "gpu_alloc_kernel_")) < len(_series(per_device, "gpu_alloc_kernel_"))
+    assert not _series(off, "gpu_alloc_kernel_")
+    assert _series(off, "gpu_alloc_device_unattributed_processes")  # device-level figures stay
+
+
+def test_breach_series_can_be_served_only_while_active(result):
+    every = _series(registry_for(result), "gpu_alloc_kernel_isolation_breach")
+    active = _series(registry_for(result, breach_series="active"), "gpu_alloc_kernel_isolation_breach")
+    assert {0.0, 1.0} == {s.value for s in every}
+    assert active and all(s.value == 1 for s in active)
+    assert {tuple(sorted(s.labels.items())) for s in active} == {tuple(sorted(s.labels.items())) for s in every if s.value == 1}

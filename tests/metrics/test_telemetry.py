@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from exporter.metrics.registry import ExporterCollector, Part
-from exporter.metrics.telemetry import telemetry_families, telemetry_health
+from exporter.metrics.telemetry import ALERTING_THROTTLE_REASONS, telemetry_families, telemetry_health
 from exporter.telemetry.devices import DeviceResolver
 from exporter.telemetry.mock import DEMO_DEVICES_FILE, MockSource
 from exporter.telemetry.model import DeviceReading, TelemetrySnapshot, XidCounter
@@ -226,3 +226,19 @@ def test_device_id_follows_the_resolver(dgx: FakeNvml) -> None:
     }) == 1
     xid = {"device_id": dgx.gpus[4].uuid.removeprefix("GPU-"), "xid": "79"}
     assert registry.get_sample_value("gpu_alloc_xid_errors_total", xid) == 2
+
+
+def test_throttle_reason_series_can_be_reduced(dgx: FakeNvml) -> None:
+    snapshot = nvml_snapshot(dgx)
+    resolver = DeviceResolver(snapshot)
+
+    def reasons(mode: str) -> list:
+        return [s for m in telemetry_families(snapshot, resolver, mode) if m.name == "gpu_alloc_device_throttle_active"
+                for s in m.samples]
+
+    every, alerting, active = reasons("all"), reasons("alerting"), reasons("active")
+    assert {s.labels["reason"] for s in alerting} <= ALERTING_THROTTLE_REASONS
+    assert {(s.labels["device_id"], s.labels["reason"]) for s in alerting} == {
+        (s.labels["device_id"], s.labels["reason"]) for s in every if s.labels["reason"] in ALERTING_THROTTLE_REASONS}
+    assert active and all(s.value == 1 for s in active) and len(active) == sum(1 for s in every if s.value == 1)
+    assert len(active) < len(alerting) < len(every)
