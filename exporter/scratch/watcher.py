@@ -43,14 +43,17 @@ log = logging.getLogger(__name__)
 
 _ROOT_MASK = IN.IN_CREATE | IN.IN_DELETE | IN.IN_MOVED_FROM | IN.IN_MOVED_TO | IN.IN_DELETE_SELF | IN.IN_MOVE_SELF | IN.IN_ONLYDIR
 _KERNEL_MASK = IN.IN_CREATE | IN.IN_MOVED_TO | IN.IN_ONLYDIR
+# No IN_MODIFY: the agent writes resource.txt and recovery.json in place and always closes them,
+# so a file is read once, on IN_CLOSE_WRITE, instead of on every write of a rewrite too (which
+# mostly finds a torn file). A recovery.json storm at 1,000 kernels costs half the CPU for it
+# (BENCHMARKS.md); a writer that never closes is caught by the rescan.
 _CONFIG_MASK = (
-    IN.IN_CLOSE_WRITE | IN.IN_MODIFY | IN.IN_CREATE | IN.IN_DELETE | IN.IN_MOVED_FROM | IN.IN_MOVED_TO | IN.IN_ONLYDIR
+    IN.IN_CLOSE_WRITE | IN.IN_CREATE | IN.IN_DELETE | IN.IN_MOVED_FROM | IN.IN_MOVED_TO | IN.IN_ONLYDIR
 )
 _RESOURCE_NAME = RESOURCE_FILE.name.encode()
 _CONFIG_NAME = RESOURCE_FILE.parent.name.encode()
 _IDENTITY_NAME = IDENTITY_FILE.name.encode()
-# recovery.json is rewritten in place (truncate, write): read it once the writer closes it, not
-# on each IN_MODIFY of the rewrite (which would mostly find a torn file).
+# recovery.json is rewritten in place (truncate, write): read it once the writer closes it.
 _IDENTITY_EVENTS = IN.IN_CLOSE_WRITE | IN.IN_MOVED_TO
 _CB_ID = 0  # one callback per watch: its id only has to be unique within the watch
 
