@@ -162,3 +162,12 @@ def test_the_documented_mistakes_print_what_the_docs_say(tmp_path: Path) -> None
         assert (proc.returncode, proc.stderr) == (2, answer + "\n"), command
         checked += 1
     assert checked >= 2
+
+
+def test_the_readme_installs_every_rule_file_the_shipped_config_loads() -> None:
+    import yaml
+
+    config = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
+    installed = set(re.findall(r"alerts/([\w.-]+\.yml)", (ROOT / "README.md").read_text()))
+    assert set(config["rule_files"]) <= installed, set(config["rule_files"]) - installed
+    assert all((ROOT / "alerts" / name).is_file() for name in config["rule_files"])
