@@ -24,7 +24,7 @@ the GPU it is carved from, so a GPU's health reaches every kernel on it, whateve
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal
 from types import MappingProxyType
@@ -119,6 +119,15 @@ def _held(kernel: Kernel, snapshot: TelemetrySnapshot, resolver: DeviceResolver,
     return out
 
 
+def _inventory_key(snapshot: TelemetrySnapshot) -> Hashable:
+    """What :func:`_held` reads of a snapshot: each device's identity, memory and SM count."""
+    return tuple(
+        (d.uuid, d.index, d.memory_total_bytes, d.multiprocessor_count,
+         tuple((m.uuid, m.index, m.memory_total_bytes, m.multiprocessor_count) for m in d.mig_devices))
+        for d in snapshot.devices
+    )
+
+
 def gpu_shares(held: Iterable[_Held]) -> dict[str, float]:
     """GPU device_id -> share held, summed over a kernel's allocations on that GPU (capped at 1)."""
     out: dict[str, float] = {}
@@ -141,6 +150,11 @@ class Accountant:
         self._last: float | None = None
         # What the previous pass saw: (kernel, gpu) -> (share, utilisation or None).
         self._rates: dict[tuple[str, str], tuple[float, float | None]] = {}
+        # What each kernel holds depends only on its immutable Kernel object and the devices'
+        # inventory: cached per kernel object while the inventory stays the same (a pass over
+        # 10,000 unchanged kernels then costs lookups, not 10,000 capacity computations).
+        self._held_env: Hashable = None
+        self._held: dict[str, tuple[Kernel, list[_Held], dict[str, float]]] = {}
         self._allocated: dict[tuple[str, str], float] = {}
         self._used: dict[tuple[str, str], float] = {}
         self._ended: dict[str, float] = {}  # kernel_id -> monotonic time it went away
@@ -167,10 +181,27 @@ class Accountant:
         uses: dict[str, KernelUse] = {}
         rates: dict[tuple[str, str], tuple[float, float | None]] = {}
         present = set()
+        env = (_inventory_key(snapshot), resolver.scheme, id(capacity))
+        if env != self._held_env:
+            self._held_env, self._held = env, {}
+        held_now: dict[str, tuple[Kernel, list[_Held], dict[str, float]]] = {}
+        unmeasured = KernelUse(None, None)
         for k in kernels:
             present.add(k.kernel_id)
-            held = _held(k, snapshot, resolver, capacity)
+            cached = self._held.get(k.kernel_id)
+            if cached is None or cached[0] is not k:
+                held = _held(k, snapshot, resolver, capacity)
+                cached = (k, held, gpu_shares(held))
+            held_now[k.kernel_id] = cached
+            held, held_shares = cached[1], cached[2]
             if not held:
+                continue
+            if not any((k.kernel_id, h.alloc_device_id) in measured for h in held):
+                # Nothing measured (no telemetry, MIG, no process yet): no ratios, shares only.
+                uses[k.kernel_id] = unmeasured
+                for gpu, share in held_shares.items():
+                    shares[(k.kernel_id, gpu)] = share
+                    rates[(k.kernel_id, gpu)] = (share, None)
                 continue
             utils, mems = [], []
             per_gpu_util: dict[str, list[float | None]] = {}
@@ -184,11 +215,12 @@ class Accountant:
                 # fully using it; the bytes themselves are gpu_alloc_kernel_memory_used_bytes.
                 mems.append(min(1.0, used / h.memory_bytes) if used is not None and h.memory_bytes else None)
             uses[k.kernel_id] = KernelUse(_mean(utils), _mean(mems))
-            for gpu, share in gpu_shares(held).items():
+            for gpu, share in held_shares.items():
                 shares[(k.kernel_id, gpu)] = share
                 gpu_utils = per_gpu_util[gpu]
                 rates[(k.kernel_id, gpu)] = (share, _mean(gpu_utils))
         self._rates = rates
+        self._held = held_now
 
         # Counters of kernels that went away stay for the retention period, then go.
         for key in list(self._allocated):
