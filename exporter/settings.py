@@ -57,11 +57,11 @@ class Settings(BaseSettings):
     )
     scratch_watch_mode: Literal["inotify", "poll"] = Field(
         default="inotify",
-        description="inotify for low latency; poll for filesystems without inotify (NFS, CIFS)",
+        description="inotify for low latency, or poll for filesystems without inotify (NFS, CIFS)",
         json_schema_extra=_flag("--scratch.watch-mode"),
     )
     scratch_rescan_interval: float = Field(
-        default=60.0, gt=0, description="seconds between safety-net rescans (stat only; re-reads changed files)",
+        default=60.0, gt=0, description="seconds between safety-net rescans (stat only, re-reading changed files)",
         json_schema_extra=_flag("--scratch.rescan-interval"),
     )
     scratch_poll_interval: float = Field(
