@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal
 from enum import Enum
+from functools import lru_cache
 from types import MappingProxyType
 
 from exporter.scratch.identity import Identity
@@ -44,6 +45,7 @@ FGPU_SLOTS = ("cuda.shares", "cuda.device")
 # 26.8.x on (lablup/backend.ai#14327) a 0-1 ratio of every cuda.* slot to its capacity.
 ALLOC_MAP_FORMATS = ("absolute", "ratio")
 RATIO_PLACES = Decimal("0.0001")  # the ratio form's quantum ("0.2500")
+_ZERO = Decimal(0)
 
 Outcome = ResourceSpec | Pending | ResourceParseError
 """What reading one kernel's resource.txt gave."""
@@ -149,6 +151,13 @@ class AllocationView:
         )
 
 
+@lru_cache(maxsize=1024)
+def _exponent(amount: str) -> int:
+    """The exponent of ``Decimal(amount)``. ``Decimal.as_tuple()`` builds its named tuple in Python
+    code; a node's amounts are few, and ``str()`` spells one exactly, exponent included."""
+    return Decimal(amount).as_tuple().exponent
+
+
 class _Totals:
     """Exact running sums, keyed, that drop a key with its last contributor.
 
@@ -163,18 +172,22 @@ class _Totals:
         self._exps: dict = {}  # key -> {exponent: number of contributions}
 
     def add(self, key, amount: Decimal, sign: int) -> None:
-        exps = self._exps.setdefault(key, {})
-        e = amount.as_tuple().exponent
+        """Add (``sign`` +1) or take away (-1) one contribution."""
+        exps = self._exps.get(key)
+        if exps is None:
+            exps = self._exps[key] = {}
+        e = _exponent(str(amount))
         left = exps.get(e, 0) + sign
         if left:
             exps[e] = left
         else:
             del exps[e]
-        if not exps:
-            del self._exps[key]
-            del self.sums[key]
-            return
-        self.sums[key] = self.sums.get(key, Decimal(0)) + sign * amount
+            if not exps:
+                del self._exps[key]
+                del self.sums[key]
+                return
+        total = self.sums.get(key, _ZERO)
+        self.sums[key] = total + amount if sign > 0 else total - amount
 
     def exponent(self, key) -> int:
         """The exponent of ``Decimal(0) + <current contributions>``."""

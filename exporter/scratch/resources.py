@@ -41,7 +41,7 @@ import sys
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from enum import Enum
-from functools import lru_cache
+from functools import lru_cache, wraps
 from pathlib import PurePosixPath
 
 from exporter.units import parse_binary_size, parse_decimal
@@ -60,8 +60,10 @@ __all__ = [
 ]
 
 REQUIRED_KEYS = ("SCRATCH_SIZE", "MOUNTS", "SLOTS")
+_REQUIRED = frozenset(REQUIRED_KEYS)
 UNTERMINATED = "last line not yet terminated"  # the Pending reason of a file cut mid-line
 _SHARES_SUFFIX = "_SHARES"
+_SHARES_CUT = -len(_SHARES_SUFFIX)  # key[:_SHARES_CUT] is the slot
 # Device ids and slot names reach metric labels and logs; a control character there is never
 # legitimate. A plain space is kept, as the agent keeps it; any other whitespace is refused.
 _BAD_ID = re.compile(r"[\x00-\x1f\x7f]|[^\S ]")
@@ -190,49 +192,89 @@ def parse_resource(
     for lineno, raw in enumerate(lines, start=1):
         # The agent strips the whole line, then splits once on "=": "KEY =v" is the key "KEY ".
         key, sep, value = raw.strip().partition("=")
-        if in_mounts and key != "SLOTS":
-            # Every writer puts SLOTS right after MOUNTS: anything between is a mount path that
-            # held a newline. Never read it as keys: its text would reach labels.
-            mounts_continued = True
-            continue
-        in_mounts = key == "MOUNTS" and bool(sep)
+        if in_mounts:
+            if key != "SLOTS":
+                # Every writer puts SLOTS right after MOUNTS: anything between is a mount path that
+                # held a newline. Never read it as keys: its text would reach labels.
+                mounts_continued = True
+                continue
+            in_mounts = False
         if not sep or not key:
             continue  # the agent ignores lines without "=" (and an empty key names nothing)
         if key == "CID":
             container_id = value.strip() or None
-        elif key.endswith(_SHARES_SUFFIX) and len(key) > len(_SHARES_SUFFIX):
-            shares[key[: -len(_SHARES_SUFFIX)].lower()] = (lineno, value)
+        elif key.endswith(_SHARES_SUFFIX) and key != _SHARES_SUFFIX:
+            shares[key[:_SHARES_CUT].lower()] = (lineno, value)
         else:
             values[key] = (lineno, value)
+            in_mounts = key == "MOUNTS"
 
-    missing = [k for k in REQUIRED_KEYS if k not in values]
-    if missing:
-        return Pending(f"missing {', '.join(missing)}", container_id)
+    if not values.keys() >= _REQUIRED:
+        return Pending(f"missing {', '.join(k for k in REQUIRED_KEYS if k not in values)}", container_id)
     if unterminated.strip() and not unterminated.startswith("CID="):
         return Pending(UNTERMINATED, container_id)
 
     unreadable: list[str] = []
-    requested = _parse_slots(source, *values["SLOTS"], unreadable)
-    unified = _parse_unified(source, *values["UNIFIED_DEVICES"]) if "UNIFIED_DEVICES" in values else ()
+    slots = _parse_slots(source, *values["SLOTS"])
+    if slots.unreadable:
+        unreadable.append("slots-value")
+    unified: tuple[tuple[str, str], ...] = ()
+    if "UNIFIED_DEVICES" in values:
+        unified = _parse_unified(source, *values["UNIFIED_DEVICES"])
     allocations: list[Allocation] = []
     for slot, (lineno, value) in shares.items():
-        allocations.extend(_parse_shares(source, lineno, slot, value, agent_bytes_slots, unreadable))
-    if mounts_continued or not _agent_reads_mounts(values["MOUNTS"][1]):
+        parsed = _parse_shares(source, lineno, value, slot, slot not in agent_bytes_slots)
+        allocations.extend(parsed.allocations)
+        if parsed.unreadable:
+            unreadable.append("shares-amount")
+    if mounts_continued or not _agent_reads_mounts(source, *values["MOUNTS"]):
         unreadable.append("mounts")
-    if not _agent_reads_scratch_size(values["SCRATCH_SIZE"][1]):
+    if not _agent_reads_scratch_size(source, *values["SCRATCH_SIZE"]):
         unreadable.append("scratch-size")
 
     # SLOTS is written before the _SHARES lines: a requested accelerator slot without its line
     # means the writer has not got there yet. Unified devices have no _SHARES line by design.
     # Slot names compare case-insensitively, as the agent lower-cases the _SHARES key.
     unified_slots = {slot.lower() for _, slot in unified}
-    for slot, amount in requested:
-        folded = slot.lower()
-        if amount and "." in slot and folded not in shares and folded not in unified_slots:
+    for slot, folded in slots.awaited:
+        if folded not in shares and folded not in unified_slots:
             return Pending(f"SLOTS requests {slot} but no {slot.upper()}{_SHARES_SUFFIX} line yet", container_id)
-    return ResourceSpec(tuple(allocations), requested, container_id, unified, tuple(sorted(set(unreadable))))
+    return ResourceSpec(
+        tuple(allocations), slots.requested, container_id, unified, tuple(sorted(set(unreadable))) if unreadable else ()
+    )
 
 
+# The value parsers below are memoised on the text of one value: a node's kernels repeat the same
+# few SLOTS objects, share lines ("root:4g", "GPU-…:0.5") and MOUNTS. Only successful results are
+# cached (lru_cache never stores a raised exception) and they are immutable, so kernels share
+# them. A refusal is an _Invalid, without a location: the caller's file and line are added to it
+# outside the cache. Values longer than _MEMO_MAX_CHARS skip the cache: at most _MEMO_SIZE
+# values of at most that many characters are kept, however large a hostile file's lines are.
+_MEMO_SIZE = 1024
+_MEMO_MAX_CHARS = 1024
+
+
+class _Invalid(Exception):
+    """Why a value is malformed, before the file and line are known."""
+
+
+def _value_parser(parse):
+    """Memoise ``parse(value, *args)``, and call it as ``parser(source, lineno, value, *args)``:
+    an :class:`_Invalid` it raises becomes the :class:`ResourceParseError` of that file and line."""
+    cached = lru_cache(maxsize=_MEMO_SIZE)(parse)
+
+    @wraps(parse)
+    def parser(source: str, lineno: int, value: str, *args):
+        try:
+            return (cached if len(value) <= _MEMO_MAX_CHARS else parse)(value, *args)
+        except _Invalid as exc:
+            raise ResourceParseError(source, lineno, str(exc)) from None
+
+    parser.cached = cached  # for tests: cache_info(), cache_clear()
+    return parser
+
+
+@_value_parser
 def _agent_reads_mounts(value: str) -> bool:
     """Whether every entry passes the agent's ``Mount.from_str`` (``source:target:perm``)."""
     for entry in value.split(","):
@@ -249,6 +291,7 @@ def _agent_reads_mounts(value: str) -> bool:
     return True
 
 
+@_value_parser
 def _agent_reads_scratch_size(value: str) -> bool:
     try:
         parse_binary_size(value)
@@ -257,29 +300,43 @@ def _agent_reads_scratch_size(value: str) -> bool:
     return True
 
 
-def _parse_slots(source: str, lineno: int, value: str, unreadable: list[str]) -> tuple[tuple[str, Decimal], ...]:
+@dataclass(frozen=True, slots=True)
+class _Slots:
+    """One SLOTS value, parsed."""
+
+    requested: tuple[tuple[str, Decimal], ...]
+    unreadable: bool  # a value the agent's Decimal() refuses ("slots-value")
+    # (slot, slot.lower()) of each requested accelerator slot with a non-zero amount: the file is
+    # pending until it has that slot's _SHARES line (or names it a unified device's slot).
+    awaited: tuple[tuple[str, str], ...]
+
+
+@_value_parser
+def _parse_slots(value: str) -> _Slots:
     try:
         obj = json.loads(value)
     except ValueError as exc:
-        raise ResourceParseError(source, lineno, f"SLOTS is not valid JSON ({exc.msg})") from None
+        raise _Invalid(f"SLOTS is not valid JSON ({exc.msg})") from None
     except RecursionError:
-        raise ResourceParseError(source, lineno, "SLOTS is nested too deeply") from None
+        raise _Invalid("SLOTS is nested too deeply") from None
     if not isinstance(obj, dict):
-        raise ResourceParseError(source, lineno, "SLOTS is not a JSON object")
+        raise _Invalid("SLOTS is not a JSON object")
     out = []
+    unreadable = False
     # Errors name the entry by position, never by its text: a file's content may hold secrets.
     for position, (slot, amount) in enumerate(obj.items(), start=1):
         if amount is None:
             continue  # ResourceSlot.from_json skips null values
         if not isinstance(amount, (str, int, float)) or isinstance(amount, bool):
-            raise ResourceParseError(source, lineno, f"SLOTS entry {position}: the amount is not a number")
+            raise _Invalid(f"SLOTS entry {position}: the amount is not a number")
         try:
             out.append((sys.intern(slot), _amount(slot, str(amount))))
         except ValueError as exc:
-            raise ResourceParseError(source, lineno, f"SLOTS entry {position}: {exc}") from None
+            raise _Invalid(f"SLOTS entry {position}: {exc}") from None
         if isinstance(amount, str) and not _is_plain_decimal(amount):
-            unreadable.append("slots-value")  # ResourceSlot.from_json does Decimal(value)
-    return tuple(out)
+            unreadable = True  # ResourceSlot.from_json does Decimal(value)
+    awaited = tuple((slot, slot.lower()) for slot, amount in out if amount and "." in slot)
+    return _Slots(tuple(out), unreadable, awaited)
 
 
 def _is_plain_decimal(text: str) -> bool:
@@ -290,28 +347,36 @@ def _is_plain_decimal(text: str) -> bool:
     return True
 
 
-def _parse_unified(source: str, lineno: int, value: str) -> tuple[tuple[str, str], ...]:
+@_value_parser
+def _parse_unified(value: str) -> tuple[tuple[str, str], ...]:
     try:
         obj = json.loads(value or "[]")
     except ValueError as exc:
-        raise ResourceParseError(source, lineno, f"UNIFIED_DEVICES is not valid JSON ({exc.msg})") from None
+        raise _Invalid(f"UNIFIED_DEVICES is not valid JSON ({exc.msg})") from None
     except RecursionError:
-        raise ResourceParseError(source, lineno, "UNIFIED_DEVICES is nested too deeply") from None
+        raise _Invalid("UNIFIED_DEVICES is nested too deeply") from None
     if not isinstance(obj, list) or not all(
         isinstance(p, list) and len(p) == 2 and all(isinstance(s, str) for s in p) for p in obj
     ):
-        raise ResourceParseError(source, lineno, "UNIFIED_DEVICES is not a list of [device, slot] pairs")
+        raise _Invalid("UNIFIED_DEVICES is not a list of [device, slot] pairs")
     return tuple((d, s) for d, s in obj)
 
 
-def _parse_shares(
-    source: str, lineno: int, slot: str, value: str, agent_bytes_slots: frozenset[str], unreadable: list[str]
-) -> list[Allocation]:
-    key = slot.upper() + _SHARES_SUFFIX
+@dataclass(frozen=True, slots=True)
+class _Shares:
+    """One ``*_SHARES`` value, parsed."""
+
+    allocations: tuple[Allocation, ...]
+    unreadable: bool  # a size suffix the agent's Decimal() refuses in a count slot ("shares-amount")
+
+
+@_value_parser
+def _parse_shares(value: str, slot: str, agent_counts: bool) -> _Shares:
+    """:param agent_counts: the agent reads this slot's amounts with ``Decimal()`` (not as bytes)."""
     if _BAD_ID.search(slot):
-        raise ResourceParseError(source, lineno, "the slot name in the key contains whitespace or control characters")
+        raise _Invalid("the slot name in the key contains whitespace or control characters")
     per_device: dict[str, Decimal] = {}
-    agent_counts = slot not in agent_bytes_slots
+    unreadable = False
     for position, entry in enumerate(value.split(","), start=1):
         # The agent keeps the device id as written (a space after a comma stays in the id).
         device_id, _, amount = entry.partition(":")
@@ -319,15 +384,17 @@ def _parse_shares(
         if not device_id or not amount:
             continue
         if _BAD_ID.search(device_id):
-            raise ResourceParseError(source, lineno, f"{key} entry {position}: the device id contains whitespace or control characters")
+            raise _Invalid(
+                f"{slot.upper()}{_SHARES_SUFFIX} entry {position}: the device id contains whitespace or control characters"
+            )
         amount = amount.strip()
         try:
             # A repeated device id overwrites, as upstream's dict assignment does. Ids repeat
             # across kernels ("0", "root", a GPU's uuid): intern them.
             per_device[sys.intern(device_id)] = _amount(slot, amount)
         except ValueError as exc:
-            raise ResourceParseError(source, lineno, f"{key} entry {position}: {exc}") from None
+            raise _Invalid(f"{slot.upper()}{_SHARES_SUFFIX} entry {position}: {exc}") from None
         if agent_counts and not _is_plain_decimal(amount):
-            unreadable.append("shares-amount")
+            unreadable = True
     slot = sys.intern(slot)
-    return [Allocation(slot, d, a) for d, a in per_device.items()]
+    return _Shares(tuple([Allocation(slot, d, a) for d, a in per_device.items()]), unreadable)

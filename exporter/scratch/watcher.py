@@ -231,6 +231,11 @@ class ScratchWatcher:
     # -- the worker: rescans, mount changes ----------------------------------------------------
 
     def _work(self) -> None:
+        poller = select.poll()
+        poller.register(self._wake_r, select.POLLIN)
+        # Before the arming passes: a mount over a root while they run is then still reported
+        # (the mount table's poll reports every change since the file was opened or last polled).
+        mounts = self._open_mountinfo(poller)
         if self._fd is not None:
             try:
                 # Part of the start, not rescans (gpu_alloc_watcher_rescans_total counts those).
@@ -238,9 +243,6 @@ class ScratchWatcher:
                 self._full_scan(force=False, counted=False)  # ...re-reads what changed before its watch existed
             except Exception:
                 self._count_error("arming the kernel watches failed", exc_info=True)
-        poller = select.poll()
-        poller.register(self._wake_r, select.POLLIN)
-        mounts = self._open_mountinfo(poller)
         next_scan = time.monotonic() + self._interval()
         while not self._stop.is_set():
             timeout = max(0.0, next_scan - time.monotonic())
@@ -257,12 +259,14 @@ class ScratchWatcher:
             if self._stop.is_set():
                 break
             try:
+                if mount_changed:
+                    # Even when a rescan is due as well: only this re-arms kernels whose directory a
+                    # mount replaced, and it keeps the known mount points current for the next change.
+                    self._rearm_mounted()
                 if self._rescan_requested or time.monotonic() >= next_scan:
                     self._rescan_requested = False
                     self._full_scan(force=False)
                     next_scan = time.monotonic() + self._interval()
-                elif mount_changed:
-                    self._rearm_mounted()
             except Exception:
                 self._count_error("rescan failed", exc_info=True)
         if mounts is not None:
@@ -443,8 +447,13 @@ class ScratchWatcher:
             return
         mask, name = event.mask, event.name
         if w.kernel_id is None:  # the root itself
-            if mask & (IN.IN_DELETE_SELF | IN.IN_MOVE_SELF):
+            if mask & (IN.IN_DELETE_SELF | IN.IN_MOVE_SELF | IN.IN_UNMOUNT):
                 self.request_rescan()
+                return
+            if not name:
+                # An event about the root directory itself (IN_IGNORED, or IN_ISDIR-flagged ones):
+                # never a kernel. Read as one, the root would become a kernel named "" whose watch
+                # (the same inode, so the same wd) took over the root's.
                 return
             kernel_id = os.fsdecode(name)
             if not (mask & IN.IN_ISDIR) or not is_kernel_name(kernel_id):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import threading
 from decimal import Decimal
 from pathlib import Path
 
@@ -11,7 +12,8 @@ import pytest
 from backendai_reference import WITH_CUDA_MEM, read_allocations, scan_gpu_alloc_map
 from helpers import FIXTURES
 
-from exporter.demo import write_kernel
+from exporter.demo import write_kernel, write_recovery
+from exporter.scratch import reader as reader_module
 from exporter.scratch.allocation import AllocationBook, KernelState
 from exporter.scratch.reader import Scanner, read_kernel
 from exporter.scratch.resources import Pending, parse_resource
@@ -226,3 +228,111 @@ def test_a_close_write_event_completes_an_unterminated_file(tmp_path: Path) -> N
     assert book.view().kernels["k1"].state is KernelState.PENDING
     scanner.refresh(str(tmp_path), "k1", closed=True)
     assert book.view().kernels["k1"].state is KernelState.OK
+
+
+def _uuid_kernel(root: Path, i: int, amount: str, identity: bool) -> str:
+    kid = f"00000000-0000-4000-8000-{i:012x}"
+    write_kernel(root, kid, {"cuda.shares": {"GPU-a": Decimal(amount)}})
+    if identity:
+        write_recovery(root, kid, f"11111111-0000-4000-8000-{i:012x}", None)
+    return kid
+
+
+def test_a_forced_scan_signs_files_by_their_reads_and_a_rescan_reads_only_changes(tmp_path: Path, monkeypatch) -> None:
+    kids = [_uuid_kernel(tmp_path, i, "0.25", identity=i < 2) for i in range(3)]
+    reads, stats = [], []
+    real_read, real_stat = reader_module._read_config, os.stat
+    monkeypatch.setattr(reader_module, "_read_config", lambda kdir, files: reads.append(
+        (os.path.basename(kdir), tuple(name for name, _ in files))) or real_read(kdir, files))
+    monkeypatch.setattr(os, "stat", lambda path, *a, **kw: stats.append(os.fspath(path)) or real_stat(path, *a, **kw))
+    book = AllocationBook()
+    scanner = Scanner(book)
+
+    scanner.scan(str(tmp_path))
+    # One walk per kernel for both files; no stat, whether recovery.json is there or not.
+    assert sorted(reads) == [(k, ("resource.txt", "recovery.json")) for k in kids] and stats == []
+    assert book.view().alloc_map == {"GPU-a": "0.75"}
+    assert [book.view().kernels[k].identity is not None for k in kids] == [True, True, False]
+
+    reads.clear()
+    scanner.scan(str(tmp_path), force=False)
+    assert reads == [] and len(stats) == 2 * len(kids)  # the signatures taken from the reads match
+
+    (tmp_path / kids[0] / "config/resource.txt").write_text(
+        (tmp_path / kids[0] / "config/resource.txt").read_text().replace("0.25", "0.5"))
+    # Another size too: a rewrite within the filesystem's timestamp granularity keeps the mtime.
+    write_recovery(tmp_path, kids[1], "22222222-0000-4000-8000-000000000001", "33333333-0000-4000-8000-000000000001")
+    scanner.scan(str(tmp_path), force=False)
+    assert sorted(reads) == [(kids[0], ("resource.txt",)), (kids[1], ("recovery.json",))]
+    assert book.view().alloc_map == {"GPU-a": "1.00"}
+    assert book.view().kernels[kids[1]].identity.session_id == "22222222-0000-4000-8000-000000000001"
+
+
+def test_a_file_that_cannot_be_read_is_not_read_again_by_a_rescan(tmp_path: Path, monkeypatch) -> None:
+    (tmp_path / "outside.txt").write_text(GOOD)
+    (tmp_path / "root/k1/config").mkdir(parents=True)
+    (tmp_path / "root/k1/config/resource.txt").symlink_to(tmp_path / "outside.txt")
+    reads = []
+    real_read = reader_module._read_config
+    monkeypatch.setattr(reader_module, "_read_config", lambda kdir, files: reads.append(kdir) or real_read(kdir, files))
+    book = AllocationBook()
+    scanner = Scanner(book)
+    scanner.scan(str(tmp_path / "root"))
+    assert "resource.txt is a symlink" in book.view().kernels["k1"].reason and len(reads) == 1
+    scanner.scan(str(tmp_path / "root"), force=False)  # unchanged: stat'ed, not read again
+    assert len(reads) == 1
+    (tmp_path / "outside.txt").write_text(GOOD + "X=1\n")  # what a stat of the link sees changed
+    scanner.scan(str(tmp_path / "root"), force=False)
+    assert len(reads) == 2 and "resource.txt is a symlink" in book.view().kernels["k1"].reason
+
+
+def test_an_event_during_a_scan_never_lands_before_the_scans_older_read(tmp_path: Path) -> None:
+    """A forced scan reads a batch of kernels, then parses them. An event's refresh of one of them
+    in between must wait for the batch: else the scan's older read would land after the newer one."""
+    kids = [_uuid_kernel(tmp_path, i, "0.25", identity=False) for i in range(8)]
+    book = AllocationBook()
+
+    class RewriteDuringTheBatch(Scanner):
+        event: threading.Thread | None = None
+
+        def refresh(self, root: str, kernel_id: str, force: bool = True, closed: bool = False) -> None:
+            if self.event is None:
+                other = next(k for k in kids if k != kernel_id)  # not refreshed yet: this is the first
+                path = tmp_path / other / "config/resource.txt"
+                path.write_text(path.read_text().replace("0.25", "0.5"))
+                self.event = threading.Thread(target=super().refresh, args=(root, other, True, True), name="event")
+                self.event.start()
+                self.event.join(0.2)  # it waits for the batch (it would be done by now otherwise)
+            super().refresh(root, kernel_id, force, closed)
+
+    applied = []  # (thread, the amount applied)
+    real_apply = book.apply
+    book.apply = lambda kid, root, outcome: applied.append(
+        (threading.current_thread().name, outcome.allocations[0].amount)) or real_apply(kid, root, outcome)
+    scanner = RewriteDuringTheBatch(book)
+    scanner.scan(str(tmp_path))
+    scanner.event.join(5)
+    assert [amount for thread, amount in applied if thread == "event"] == [Decimal("0.5")]  # it read the new file
+    assert book.view().alloc_map == {"GPU-a": "2.25"}  # 7 × 0.25 + the rewritten 0.5
+
+
+def test_a_scan_that_fails_mid_batch_leaves_no_read_behind(tmp_path: Path) -> None:
+    kids = [_uuid_kernel(tmp_path, i, "0.25", identity=False) for i in range(4)]
+    book = AllocationBook()
+
+    class FailsAtOnce(Scanner):
+        fail = True
+
+        def refresh(self, root: str, kernel_id: str, force: bool = True, closed: bool = False) -> None:
+            if self.fail:
+                raise RuntimeError("boom")
+            super().refresh(root, kernel_id, force, closed)
+
+    scanner = FailsAtOnce(book)
+    with pytest.raises(RuntimeError):
+        scanner.scan(str(tmp_path))
+    scanner.fail = False
+    path = tmp_path / kids[0] / "config/resource.txt"
+    path.write_text(path.read_text().replace("0.25", "0.5"))
+    scanner.refresh(str(tmp_path), kids[0])  # an event: reads the file now, not what the scan read
+    assert book.view().alloc_map == {"GPU-a": "0.5"}

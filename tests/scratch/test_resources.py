@@ -312,3 +312,60 @@ def test_a_mount_path_with_a_newline_never_becomes_keys_or_labels() -> None:
     result = parse_resource(text, "r")
     assert {(a.slot, a.device_id) for a in result.allocations} == {("cuda.shares", "GPU-real"), ("cpu", "0")}
     assert "mounts" in result.agent_unreadable
+
+
+# The value parsers are memoised on a value's text (resources._value_parser): the cache must never
+# carry one file's path or line into another's error, nor change what a value reads as.
+SHARED_SLOTS = 'SLOTS={"cpu":"1","cuda.shares":"0.5"}'
+
+
+def test_a_memoised_value_reports_each_files_own_path_and_line() -> None:
+    from exporter.scratch.resources import _parse_shares, _parse_slots
+
+    bad_share = "CUDA.SHARES_SHARES=GPU-a:0.5,GPU-b:NaN"  # entry 2 is malformed
+    first = f"SCRATCH_SIZE=0m\nMOUNTS=\n{SHARED_SLOTS}\n{bad_share}\n"
+    second = f"CID=x\nSCRATCH_SIZE=0m\nMOUNTS=\n{SHARED_SLOTS}\nCPU_SHARES=0:1\nX=y\n{bad_share}\n"
+    hits = _parse_slots.cached.cache_info().hits
+    errors = []
+    for text, source in ((first, "/s/a/config/resource.txt"), (second, "/s/b/config/resource.txt")):
+        with pytest.raises(ResourceParseError) as caught:
+            parse_resource(text, source)
+        errors.append(caught.value)
+    assert _parse_slots.cached.cache_info().hits > hits  # the second file's SLOTS came from the cache
+    assert [(e.source, e.line) for e in errors] == [("/s/a/config/resource.txt", 4), ("/s/b/config/resource.txt", 7)]
+    assert str(errors[1]) == "/s/b/config/resource.txt:7: CUDA.SHARES_SHARES entry 2: not a finite number"
+
+    # The same malformed SLOTS value, on different lines of two files: a refusal is never cached.
+    bad_slots = 'SLOTS={"cpu":"1","cuda.shares":"-1"}'
+    for text, source, line in (
+        (f"SCRATCH_SIZE=0m\nMOUNTS=\n{bad_slots}\n", "/s/c/config/resource.txt", 3),
+        (f"CID=y\nX=1\nSCRATCH_SIZE=0m\nMOUNTS=\n{bad_slots}\n", "/s/d/config/resource.txt", 5),
+    ):
+        with pytest.raises(ResourceParseError) as caught:
+            parse_resource(text, source)
+        assert str(caught.value) == f"{source}:{line}: SLOTS entry 2: a negative amount"
+
+    # A share line that parsed once is read the same from the cache, and its allocations are shared.
+    good = f"SCRATCH_SIZE=0m\nMOUNTS=\n{SHARED_SLOTS}\nCUDA.SHARES_SHARES=GPU-a:0.5\nCPU_SHARES=0:1\n"
+    hits = _parse_shares.cached.cache_info().hits
+    a, b = spec(good), spec("CID=z\n" + good)
+    assert _parse_shares.cached.cache_info().hits >= hits + 2
+    assert a.allocations == b.allocations and all(x is y for x, y in zip(a.allocations, b.allocations, strict=True))
+    assert a.requested == b.requested == (("cpu", Decimal(1)), ("cuda.shares", Decimal("0.5")))
+    assert (a.container_id, b.container_id) == (None, "z")
+
+
+def test_a_value_too_long_for_the_cache_reads_the_same_and_is_not_kept() -> None:
+    from exporter.scratch.resources import _MEMO_MAX_CHARS, _parse_shares
+
+    devices = {f"GPU-{i:04d}": Decimal("0.25") for i in range(_MEMO_MAX_CHARS // 10)}
+    line = "CUDA.SHARES_SHARES=" + ",".join(f"{d}:{a}" for d, a in devices.items())
+    assert len(line) > _MEMO_MAX_CHARS
+    text = f"SCRATCH_SIZE=0m\nMOUNTS=\n{SHARED_SLOTS}\n{line}\n"
+    before = _parse_shares.cached.cache_info()
+    for _ in range(2):
+        assert as_dict(spec(text)) == read_allocations(text) == {"cuda.shares": devices}
+    after = _parse_shares.cached.cache_info()
+    assert (after.hits, after.misses) == (before.hits, before.misses)  # never looked up, never stored
+    with pytest.raises(ResourceParseError, match=r"^/s/k/config/resource.txt:4: CUDA.SHARES_SHARES entry 3: not a number$"):
+        parse_resource(text.replace("GPU-0002:0.25", "GPU-0002:x"), "/s/k/config/resource.txt")

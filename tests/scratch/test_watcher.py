@@ -52,13 +52,16 @@ def test_new_kernel_appears_and_removed_kernel_disappears(watched) -> None:
 
 
 def test_in_place_partial_write_then_completion_then_cid_append(watched) -> None:
-    root, book, _, _ = watched
+    root, book, _, watcher = watched
     (root / "k1" / "config").mkdir(parents=True)
     wait_for(lambda: "k1" in book.view().kernels)
     path = root / "k1" / "config" / "resource.txt"
     with open(path, "w") as f:  # the agent truncates and writes in place, no rename
         f.write(FULL[:40])
         f.flush()
+        # The only event until the close is the IN_CREATE of open(), whose read may come before
+        # this write: a rescan (stat, then read what changed) sees the partial file for certain.
+        watcher.request_rescan()
         wait_for(lambda: book.view().kernels["k1"].reason == "missing SLOTS")
         f.write(FULL[40:])
     wait_for(lambda: book.view().kernels["k1"].state is KernelState.OK)
@@ -294,3 +297,22 @@ def test_a_rewrite_between_the_first_read_and_the_watch_is_not_lost(tmp_path: Pa
     with ScratchWatcher(RewriteAfterFirstRead(book), [str(tmp_path)], rescan_interval=3600) as watcher:
         wait_for(lambda: book.view().alloc_map == {"GPU-a": "0.25"})
         assert watcher.status().rescans_total == 1
+
+
+def test_events_about_the_root_itself_are_never_a_kernel(watched) -> None:
+    """The kernel reports IN_UNMOUNT and IN_IGNORED of a watched root with an empty name (flagged
+    IN_ISDIR). Read as a kernel, the root became kernel "" whose watch, on the same inode and so
+    the same wd, took over the root's: new kernels then went unseen until the safety-net rescan."""
+    from watchdog.observers.inotify_c import InotifyConstants as IN
+    from watchdog.observers.inotify_c import InotifyEvent
+
+    root, book, _, watcher = watched
+    write_kernel(root, "k1", {"cuda.shares": {"GPU-a": Decimal("0.5")}})
+    wait_for(lambda: "k1" in book.view().kernels)
+    wd = watcher._root_watch[str(root)].wd
+    watcher._on_event(InotifyEvent(wd, IN.IN_ATTRIB | IN.IN_ISDIR, 0, b""))
+    assert "" not in book.view().kernels and watcher._root_watch[str(root)].wd == wd
+    watcher._on_event(InotifyEvent(wd, IN.IN_UNMOUNT | IN.IN_ISDIR, 0, b""))  # asks for a rescan instead
+    write_kernel(root, "k2", {"cuda.shares": {"GPU-a": Decimal("0.25")}})
+    wait_for(lambda: "k2" in book.view().kernels)
+    assert "" not in book.view().kernels
