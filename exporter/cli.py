@@ -30,7 +30,7 @@ from typing import Any, NoReturn
 
 from exporter import __version__
 from exporter.logs import setup_logging
-from exporter.settings import ENV_PREFIX, ConfigError, Settings, parse_listen_address
+from exporter.settings import ENV_PREFIX, ConfigError, Setting, Settings, parse_listen_address
 from exporter.telemetry.model import SourceConfigError
 
 __all__ = ["COMMANDS", "DEFAULT_AGENT_CONFIG", "build_parser", "load_agent_layout", "main", "run"]
@@ -75,6 +75,7 @@ _GROUPS = {
     "stale": "stale kernels",
     "mig": "MIG",
     "agent": "agent",
+    "identity": "kernel identity",
     "log": "logging",
 }
 # Placeholders that the field's type alone does not say; anything else is derived in _metavar.
@@ -215,7 +216,7 @@ def build_parser(command: str) -> argparse.ArgumentParser:
         parser._action_groups.remove(own)
     groups: dict[str, argparse._ArgumentGroup] = {}
     for name, field in Settings.model_fields.items():
-        flag = (field.json_schema_extra or {})["flag"]
+        flag = field.flag
         visible = shown is None or any(flag == s or (s.endswith(".") and flag.startswith(s)) for s in shown)
         prefix = flag[2:].split(".", 1)[0]
         if visible and prefix not in groups:
@@ -226,7 +227,7 @@ def build_parser(command: str) -> argparse.ArgumentParser:
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
             kwargs["metavar"] = _metavar(name, field)
-            if (field.json_schema_extra or {}).get("repeat"):
+            if field.repeat:
                 kwargs["action"] = "append"
         target.add_argument(flag, **kwargs)
     return parser
@@ -257,7 +258,7 @@ def load_agent_layout(settings: Settings, default_agent_config: Path = DEFAULT_A
     return layout
 
 
-def _help(name: str, field: Any) -> str:
+def _help(name: str, field: Setting) -> str:
     default = field.default
     if isinstance(default, bool):
         shown = "on" if default else "off"
@@ -281,9 +282,9 @@ def literal_choices(annotation: Any) -> tuple[str, ...]:
     return ()
 
 
-def _metavar(name: str, field: Any) -> str:
+def _metavar(name: str, field: Setting) -> str:
     """The placeholder of a settings flag: a whole word, or the allowed values."""
-    explicit = (field.json_schema_extra or {}).get("metavar") or _METAVARS.get(name)
+    explicit = field.metavar or _METAVARS.get(name)
     if explicit:
         return explicit
     choices = literal_choices(field.annotation)
@@ -298,8 +299,7 @@ def _metavar(name: str, field: Any) -> str:
         return "RATIO"
     if name.endswith("_bytes"):
         return "BYTES"
-    flag = (field.json_schema_extra or {})["flag"]
-    return flag.rsplit(".", 1)[-1].replace("-", "_").upper()
+    return field.flag.rsplit(".", 1)[-1].replace("-", "_").upper()
 
 
 def _emit(text: str) -> None:

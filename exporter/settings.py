@@ -2,26 +2,35 @@
 
 Precedence, highest first: command-line flags, ``GPU_ALLOC_EXPORTER_*`` environment variables,
 the ``--config.file`` (YAML or TOML, keys as the field names below or as the flags without
-dashes), then defaults. Every field declares its Prometheus-style dotted flag in
-``json_schema_extra["flag"]``; :mod:`exporter.cli` builds the argument parser from them, so a new
-setting needs no CLI code.
+dashes), then defaults. Every field declares its Prometheus-style dotted flag, help text and bounds
+in a :class:`Setting` inside its ``Annotated`` type; :mod:`exporter.cli` builds the argument parser
+from :attr:`Settings.model_fields`, so a new setting needs no CLI code.
+
+Plain dataclasses and a small coercion layer (:meth:`Setting.coerce`) rather than pydantic: that
+import alone cost ~19 MiB and ~0.2 s of a start that must stay under 1 s and 60 MiB. The coercion
+follows pydantic's lax rules (``"yes"`` is true, ``"2.0"`` is the integer 2, ``"nan"`` is no
+decimal) and its wording, which the docs and the tests quote.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
+import re
 import tomllib
-from decimal import Decimal
+import types
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from decimal import Decimal, InvalidOperation
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
-from pydantic import Field, field_validator, model_validator
-from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
-from pydantic_settings.exceptions import SettingsError
 
-__all__ = ["DEFAULT_PORT", "ENV_PREFIX", "ConfigError", "Settings", "load_config_file", "parse_listen_address"]
+__all__ = ["DEFAULT_PORT", "ENV_PREFIX", "ConfigError", "Setting", "Settings", "load_config_file", "parse_listen_address"]
 
 ENV_PREFIX = "GPU_ALLOC_EXPORTER_"
 # Outside the 9100-9999 range that the Prometheus wiki allocates to exporters (now full), and
@@ -33,220 +42,382 @@ class ConfigError(Exception):
     """Unusable configuration; the CLI prints it on one line and exits with status 2."""
 
 
-def _flag(flag: str, **extra: Any) -> dict[str, Any]:
-    return {"flag": flag, **extra}
+def parse_listen_address(address: str) -> tuple[str, int]:
+    """``host:port``, ``:port`` or ``[v6]:port`` → (host, port); an empty host means all interfaces."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"listen address {address!r} is not host:port")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    return host, int(port)
 
 
-class Settings(BaseSettings):
-    """Every knob of the exporter. Units are in the field names or descriptions."""
+@dataclass(frozen=True)
+class Setting:
+    """One setting: declared in a field's ``Annotated`` type with its flag, help text and bounds;
+    :attr:`Settings.model_fields` holds copies completed with the field's name, type and default.
 
-    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, frozen=True, extra="forbid", populate_by_name=True)
+    :param flag: the dotted command-line flag (``--scratch.root``); without dashes, the config-file key.
+    :param description: the help text (``--help`` shows its first ``; `` clause, the docs all of it).
+    :param gt, ge, le: bounds of a number.
+    :param repeat: a list flag given once per value.
+    :param metavar: the ``--help`` placeholder, where the type does not say it.
+    :param check: raises ValueError on a value of the right type that is still unusable.
+    """
 
-    scratch_roots: Annotated[list[Path], NoDecode] = Field(
-        default=[Path("/var/lib/backend.ai/scratches")],
-        description="Backend.AI scratch root (the agent's [container] scratch-root); repeat for several agents",
-        json_schema_extra=_flag("--scratch.root", repeat=True),
-    )
-    scratch_agents: Annotated[list[str], NoDecode] = Field(
-        default=[], description="ROOT=AGENT_ID: a scratch root written by one Backend.AI agent (multi-agent hosts); repeatable, replaces agent.toml's [[agents]]",
-        json_schema_extra=_flag("--scratch.agent", repeat=True),
-    )
-    agent_config_file: Path | None = Field(
-        default=None, description="the Backend.AI agent's agent.toml, for scratch roots, agent ids and allocation mode (default: /etc/backend.ai/agent.toml when present)",
-        json_schema_extra=_flag("--agent.config"),
-    )
-    scratch_watch_mode: Literal["inotify", "poll"] = Field(
-        default="inotify",
-        description="inotify for low latency, or poll for filesystems without inotify (NFS, CIFS)",
-        json_schema_extra=_flag("--scratch.watch-mode"),
-    )
-    scratch_rescan_interval: float = Field(
-        default=60.0, gt=0, description="seconds between safety-net rescans (stat only, re-reading changed files)",
-        json_schema_extra=_flag("--scratch.rescan-interval"),
-    )
-    scratch_poll_interval: float = Field(
-        default=2.0, gt=0, description="seconds between rescans in poll mode or when inotify is degraded",
-        json_schema_extra=_flag("--scratch.poll-interval"),
-    )
-    scratch_max_file_bytes: int = Field(
-        default=1 << 20, gt=0, description="largest resource.txt read, in bytes; bigger files mark the kernel invalid",
-        json_schema_extra=_flag("--scratch.max-file-bytes"),
-    )
-    web_listen_address: str = Field(
-        default=f":{DEFAULT_PORT}", description="address to serve on, host:port (':PORT' = all interfaces, port 0 = any)",
-        json_schema_extra=_flag("--web.listen-address"),
-    )
-    web_config_file: Path | None = Field(
-        default=None, description="exporter-toolkit web config (TLS, basic auth)",
-        json_schema_extra=_flag("--web.config.file"),
-    )
-    telemetry_source: Literal["auto", "nvml", "mock", "none"] = Field(
-        default="auto", description="device telemetry: auto = NVML if it initialises, else none",
-        json_schema_extra=_flag("--telemetry.source"),
-    )
-    telemetry_mock_file: Path | None = Field(
-        default=None, description="device file for --telemetry.source=mock (Backend.AI mock-accelerator.toml format)",
-        json_schema_extra=_flag("--telemetry.mock-file"),
-    )
-    telemetry_interval: float = Field(
-        default=5.0, gt=0, description="seconds between telemetry samples (scrapes never wait for NVML)",
-        json_schema_extra=_flag("--telemetry.interval"),
-    )
-    telemetry_timeout: float = Field(
-        default=2.0, gt=0, description="deadline in seconds for one device's NVML calls; a stuck device is marked stale",
-        json_schema_extra=_flag("--telemetry.timeout"),
-    )
-    telemetry_pcie: bool = Field(
-        default=False, description="sample PCIe throughput (blocks about 20 ms per GPU per sample)",
-        json_schema_extra=_flag("--telemetry.pcie"),
-    )
-    device_id_scheme: Literal["auto", "index", "uuid", "bare-uuid"] = Field(
-        default="auto", description="how device_id labels are spelled; auto follows the ids in resource.txt",
-        json_schema_extra=_flag("--device.id-scheme"),
-    )
-    path_procfs: Path = Field(
-        default=Path("/proc"), description="host /proc for process attribution (a sidecar needs hostPID or the host's /proc mounted)",
-        json_schema_extra=_flag("--path.procfs"),
-    )
-    path_cgroupfs: Path = Field(
-        default=Path("/sys/fs/cgroup"), description="host cgroup tree, to tell live kernels from stale scratch directories",
-        json_schema_extra=_flag("--path.cgroupfs"),
-    )
-    attribution_process_detail: bool = Field(
-        default=False, description="add per-process series with a pid label (raises cardinality)",
-        json_schema_extra=_flag("--attribution.process-detail"),
-    )
-    attribution_kernel_series: Literal["per-device", "per-kernel", "off"] = Field(
-        default="per-device",
-        description="per-kernel attribution series: per kernel and device, collapsed per kernel (no device_id), or off",
-        json_schema_extra=_flag("--attribution.kernel-series"),
-    )
-    attribution_breach_series: Literal["all", "active"] = Field(
-        default="all", description="gpu_alloc_kernel_isolation_breach for every kernel and device (0 or 1), or only while 1",
-        json_schema_extra=_flag("--attribution.breach-series"),
-    )
-    telemetry_throttle_reasons: Literal["all", "alerting", "active"] = Field(
-        default="all",
-        description="throttle-reason series: all nine per GPU, the five the shipped rules read, or only those active",
-        json_schema_extra=_flag("--telemetry.throttle-reasons"),
-    )
-    attribution_idle_threshold_ratio: float = Field(
-        default=0.05, ge=0, le=1, description="utilisation (0-1) below which an allocated device counts as idle",
-        json_schema_extra=_flag("--attribution.idle-threshold-ratio"),
-    )
-    capacity_unit_mem: int = Field(
-        default=2 << 30, gt=0, description="bytes of device memory per fGPU share (the plugin's unit_mem)",
-        json_schema_extra=_flag("--capacity.unit-mem"),
-    )
-    capacity_unit_proc: int = Field(
-        default=8, gt=0, description="SMs per fGPU share (the plugin's unit_proc)",
-        json_schema_extra=_flag("--capacity.unit-proc"),
-    )
-    capacity_quantum: Decimal = Field(
-        default=Decimal("0.01"), gt=0, description="allocation quantum in shares (the plugin's quantum_size)",
-        json_schema_extra=_flag("--capacity.quantum"),
-    )
-    capacity_overrides: Annotated[list[str], NoDecode] = Field(
-        default=[], description="DEVICE_ID=SHARES capacity override; repeatable",
-        json_schema_extra=_flag("--capacity.override", repeat=True),
-    )
-    alloc_map_format: Literal["absolute", "ratio"] = Field(
-        default="absolute",
-        description="default form of /api/v1/alloc-map: absolute (agents before 26.4.8) or ratio (26.4.8+, 26.8.x)",
-        json_schema_extra=_flag("--alloc-map.format"),
-    )
-    headroom_mode: Literal["auto", "fractional", "discrete"] = Field(
-        default="auto", description="whether whole GPUs are handed out as cuda.shares or cuda.device",
-        json_schema_extra=_flag("--headroom.mode"),
-    )
-    headroom_nofrag_rule: Literal["26.4", "before-26.4"] = Field(
-        default="26.4", description="the agent's fragmentation guard for the 'disallowed' figures",
-        json_schema_extra=_flag("--headroom.nofrag-rule"),
-    )
-    headroom_requests: Annotated[list[str], NoDecode] = Field(
-        default=[], description="reference request SLOT=AMOUNT for gpu_alloc_request_fits; repeatable (default: shares 0.5,1,2,4 and 1,2,4 GPUs)",
-        json_schema_extra=_flag("--headroom.request", repeat=True),
-    )
-    headroom_exclude_stale: bool = Field(
-        default=True, description="leave stale kernels out of allocated and headroom figures",
-        json_schema_extra=_flag("--headroom.exclude-stale"),
-    )
-    stale_grace: float = Field(
-        default=300.0, ge=0, description="seconds before a kernel without a live container or complete file counts as stale",
-        json_schema_extra=_flag("--stale.grace"),
-    )
-    mig_geometries_file: Path | None = Field(
-        default=None, description="HAMi device-config YAML with knownMigGeometries",
-        json_schema_extra=_flag("--mig.geometries-file"),
-    )
-    agent_id: str | None = Field(
-        default=None, description="Backend.AI agent id (overrides agent.toml's), exported on gpu_alloc_build_info for joins",
-        json_schema_extra=_flag("--agent.id"),
-    )
-    log_level: Literal["debug", "info", "warning", "error"] = Field(
-        default="info", description="log level", json_schema_extra=_flag("--log.level"),
-    )
-    log_format: Literal["logfmt", "json"] = Field(
-        default="logfmt", description="log line format", json_schema_extra=_flag("--log.format"),
-    )
+    flag: str
+    description: str
+    gt: float | None = None
+    ge: float | None = None
+    le: float | None = None
+    repeat: bool = False
+    metavar: str | None = None
+    check: Callable[[Any], object] | None = None
+    name: str = ""
+    annotation: Any = None
+    default: Any = None
 
-    @field_validator("scratch_roots", "scratch_agents", "capacity_overrides", "headroom_requests", mode="before")
-    @classmethod
-    def _split_list(cls, value: Any) -> Any:
-        # From the environment: a JSON list or a comma-separated list.
-        if isinstance(value, str):
-            return json.loads(value) if value.startswith("[") else [v for v in value.split(",") if v]
-        return value
+    def coerce(self, value: Any) -> Any:
+        """``value`` (a flag's or variable's string, or a config file's value) as this setting's type.
 
-    @field_validator("web_listen_address")
-    @classmethod
-    def _check_address(cls, value: str) -> str:
-        parse_listen_address(value)
-        return value
-
-    @model_validator(mode="after")
-    def _check_combination(self) -> Settings:
-        if self.telemetry_source == "mock" and self.telemetry_mock_file is None:
-            raise ValueError("--telemetry.source=mock needs --telemetry.mock-file")
-        if not self.scratch_roots:
-            raise ValueError("at least one --scratch.root is needed")
-        return self
-
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        # Flags arrive as init kwargs; the config file is merged in by load() below them.
-        return (init_settings, env_settings)
-
-    @classmethod
-    def load(cls, flags: dict[str, Any], config_file: Path | None = None) -> Settings:
-        """Build settings from parsed flags, the environment and an optional config file.
-
-        :raises ConfigError: with a one-line explanation.
+        :raises ValueError: the reason, in words (never a Python type name).
         """
-        from pydantic import ValidationError
+        value = _coerce(self.annotation, value)
+        if self.gt is not None and not value > self.gt:  # "not >": NaN fails too
+            raise ValueError(f"Input should be greater than {self.gt}")
+        if self.ge is not None and not value >= self.ge:
+            raise ValueError(f"Input should be greater than or equal to {self.ge}")
+        if self.le is not None and not value <= self.le:
+            raise ValueError(f"Input should be less than or equal to {self.le}")
+        if self.check is not None:
+            self.check(value)
+        return value
 
-        values = load_config_file(config_file) if config_file else {}
-        environ = {k.upper() for k in os.environ}
-        env_set = {name for name in cls.model_fields if f"{ENV_PREFIX}{name}".upper() in environ}
-        # The environment outranks the file: drop file values the environment sets.
-        merged = {k: v for k, v in values.items() if k not in env_set}
-        merged.update(flags)
-        # Where each value came from, so an error names the file or variable that holds it.
-        origins = {name: f"{config_file}: " for name in values if name not in env_set and name not in flags}
-        origins.update({name: f"{ENV_PREFIX}{name.upper()}: " for name in env_set if name not in flags})
-        try:
-            return cls(**merged)
-        except ValidationError as exc:
-            raise ConfigError(_one_line(exc, origins)) from None
-        except (SettingsError, ValueError) as exc:  # an environment value that is not valid JSON
-            raise ConfigError(str(exc)) from None
+
+@dataclass(frozen=True, init=False)
+class Settings:
+    """Every knob of the exporter. Units are in the field names or descriptions.
+
+    Build it from user input with :meth:`load`. Calling ``Settings(name=value, ...)`` takes the
+    values as they are (typed already: no coercion, bounds or combination checks), as tests and
+    the demo do; the names given become :attr:`model_fields_set`.
+    """
+
+    scratch_roots: Annotated[list[Path], Setting(
+        "--scratch.root", "Backend.AI scratch root (the agent's [container] scratch-root); repeat for several agents", repeat=True,
+    )] = field(default_factory=lambda: [Path("/var/lib/backend.ai/scratches")])
+    scratch_agents: Annotated[list[str], Setting(
+        "--scratch.agent", "ROOT=AGENT_ID: a scratch root written by one Backend.AI agent (multi-agent hosts); repeatable, replaces agent.toml's [[agents]]",
+        repeat=True,
+    )] = field(default_factory=list)
+    agent_config_file: Annotated[Path | None, Setting(
+        "--agent.config", "the Backend.AI agent's agent.toml, for scratch roots, agent ids and allocation mode (default: /etc/backend.ai/agent.toml when present)",
+    )] = None
+    scratch_watch_mode: Annotated[Literal["inotify", "poll"], Setting(
+        "--scratch.watch-mode", "inotify for low latency, or poll for filesystems without inotify (NFS, CIFS)",
+    )] = "inotify"
+    scratch_rescan_interval: Annotated[float, Setting(
+        "--scratch.rescan-interval", "seconds between safety-net rescans (stat only, re-reading changed files)", gt=0,
+    )] = 60.0
+    scratch_poll_interval: Annotated[float, Setting(
+        "--scratch.poll-interval", "seconds between rescans in poll mode or when inotify is degraded", gt=0,
+    )] = 2.0
+    scratch_max_file_bytes: Annotated[int, Setting(
+        "--scratch.max-file-bytes", "largest resource.txt read, in bytes; bigger files mark the kernel invalid", gt=0,
+    )] = 1 << 20
+    web_listen_address: Annotated[str, Setting(
+        "--web.listen-address", "address to serve on, host:port (':PORT' = all interfaces, port 0 = any)", check=parse_listen_address,
+    )] = f":{DEFAULT_PORT}"
+    web_config_file: Annotated[Path | None, Setting("--web.config.file", "exporter-toolkit web config (TLS, basic auth)")] = None
+    telemetry_source: Annotated[Literal["auto", "nvml", "mock", "none"], Setting(
+        "--telemetry.source", "device telemetry: auto = NVML if it initialises, else none",
+    )] = "auto"
+    telemetry_mock_file: Annotated[Path | None, Setting(
+        "--telemetry.mock-file", "device file for --telemetry.source=mock (Backend.AI mock-accelerator.toml format)",
+    )] = None
+    telemetry_interval: Annotated[float, Setting(
+        "--telemetry.interval", "seconds between telemetry samples (scrapes never wait for NVML)", gt=0,
+    )] = 5.0
+    telemetry_timeout: Annotated[float, Setting(
+        "--telemetry.timeout", "deadline in seconds for one device's NVML calls; a stuck device is marked stale", gt=0,
+    )] = 2.0
+    telemetry_pcie: Annotated[bool, Setting(
+        "--telemetry.pcie", "sample PCIe throughput (blocks about 20 ms per GPU per sample)",
+    )] = False
+    device_id_scheme: Annotated[Literal["auto", "index", "uuid", "bare-uuid"], Setting(
+        "--device.id-scheme", "how device_id labels are spelled; auto follows the ids in resource.txt",
+    )] = "auto"
+    path_procfs: Annotated[Path, Setting(
+        "--path.procfs", "host /proc for process attribution (a sidecar needs hostPID or the host's /proc mounted)",
+    )] = Path("/proc")
+    path_cgroupfs: Annotated[Path, Setting(
+        "--path.cgroupfs", "host cgroup tree, to tell live kernels from stale scratch directories",
+    )] = Path("/sys/fs/cgroup")
+    attribution_process_detail: Annotated[bool, Setting(
+        "--attribution.process-detail", "add per-process series with a pid label (raises cardinality)",
+    )] = False
+    attribution_kernel_series: Annotated[Literal["per-device", "per-kernel", "off"], Setting(
+        "--attribution.kernel-series",
+        "per-kernel attribution series: per kernel and device, collapsed per kernel (no device_id), or off",
+    )] = "per-device"
+    attribution_breach_series: Annotated[Literal["all", "active"], Setting(
+        "--attribution.breach-series", "gpu_alloc_kernel_isolation_breach for every kernel and device (0 or 1), or only while 1",
+    )] = "all"
+    telemetry_throttle_reasons: Annotated[Literal["all", "alerting", "active"], Setting(
+        "--telemetry.throttle-reasons",
+        "throttle-reason series: all nine per GPU, the five the shipped rules read, or only those active",
+    )] = "all"
+    attribution_idle_threshold_ratio: Annotated[float, Setting(
+        "--attribution.idle-threshold-ratio", "utilisation (0-1) below which an allocated device counts as idle", ge=0, le=1,
+    )] = 0.05
+    capacity_unit_mem: Annotated[int, Setting(
+        "--capacity.unit-mem", "bytes of device memory per fGPU share (the plugin's unit_mem)", gt=0,
+    )] = 2 << 30
+    capacity_unit_proc: Annotated[int, Setting("--capacity.unit-proc", "SMs per fGPU share (the plugin's unit_proc)", gt=0)] = 8
+    capacity_quantum: Annotated[Decimal, Setting(
+        "--capacity.quantum", "allocation quantum in shares (the plugin's quantum_size)", gt=0,
+    )] = Decimal("0.01")
+    capacity_overrides: Annotated[list[str], Setting(
+        "--capacity.override", "DEVICE_ID=SHARES capacity override; repeatable", repeat=True,
+    )] = field(default_factory=list)
+    alloc_map_format: Annotated[Literal["absolute", "ratio"], Setting(
+        "--alloc-map.format",
+        "default form of /api/v1/alloc-map: absolute (agents before 26.4.8) or ratio (26.4.8+, 26.8.x)",
+    )] = "absolute"
+    headroom_mode: Annotated[Literal["auto", "fractional", "discrete"], Setting(
+        "--headroom.mode", "whether whole GPUs are handed out as cuda.shares or cuda.device",
+    )] = "auto"
+    headroom_nofrag_rule: Annotated[Literal["26.4", "before-26.4"], Setting(
+        "--headroom.nofrag-rule", "the agent's fragmentation guard for the 'disallowed' figures",
+    )] = "26.4"
+    headroom_requests: Annotated[list[str], Setting(
+        "--headroom.request",
+        "reference request SLOT=AMOUNT for gpu_alloc_request_fits; repeatable (default: shares 0.5,1,2,4 and 1,2,4 GPUs)",
+        repeat=True,
+    )] = field(default_factory=list)
+    headroom_exclude_stale: Annotated[bool, Setting(
+        "--headroom.exclude-stale", "leave stale kernels out of allocated and headroom figures",
+    )] = True
+    stale_grace: Annotated[float, Setting(
+        "--stale.grace", "seconds before a kernel without a live container or complete file counts as stale", ge=0,
+    )] = 300.0
+    mig_geometries_file: Annotated[Path | None, Setting(
+        "--mig.geometries-file", "HAMi device-config YAML with knownMigGeometries",
+    )] = None
+    agent_id: Annotated[str | None, Setting(
+        "--agent.id", "Backend.AI agent id (overrides agent.toml's), exported on gpu_alloc_build_info for joins",
+    )] = None
+    identity_docker_socket: Annotated[Path | None, Setting(
+        "--identity.docker-socket",
+        "Docker API socket (e.g. /var/run/docker.sock) whose kernel-container labels give the identity of kernels without a recovery.json (agents before 25.18); root-equivalent access, so off unless set",
+        metavar="SOCKET",
+    )] = None
+    identity_docker_interval: Annotated[float, Setting(
+        "--identity.docker-interval", "seconds between reads of the container labels (one list request each)", gt=0,
+    )] = 10.0
+    log_level: Annotated[Literal["debug", "info", "warning", "error"], Setting("--log.level", "log level")] = "info"
+    log_format: Annotated[Literal["logfmt", "json"], Setting("--log.format", "log line format")] = "logfmt"
+
+    #: Every setting by field name, in declaration order (the order of ``--help`` and of errors).
+    model_fields: ClassVar[Mapping[str, Setting]]
+
+    def __init__(self, **values: Any) -> None:
+        unknown = values.keys() - self.model_fields.keys()
+        if unknown:
+            raise TypeError(f"unknown settings: {', '.join(sorted(unknown))}")
+        for f in dataclasses.fields(self):
+            if f.name in values:
+                value = values[f.name]
+            else:
+                value = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            object.__setattr__(self, f.name, value)
+        object.__setattr__(self, "_fields_set", frozenset(values))
+
+    @property
+    def model_fields_set(self) -> frozenset[str]:
+        """The settings given explicitly (a flag, variable or file key; a keyword; a copy's update),
+        as opposed to left at their defaults."""
+        return self._fields_set
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None) -> Settings:
+        """A copy with ``update`` applied as given (no coercion or checks); its names join
+        :attr:`model_fields_set`."""
+        update = dict(update or {})
+        unknown = update.keys() - self.model_fields.keys()
+        if unknown:
+            raise TypeError(f"unknown settings: {', '.join(sorted(unknown))}")
+        copy = object.__new__(type(self))
+        copy.__dict__.update(self.__dict__, **update)
+        object.__setattr__(copy, "_fields_set", self._fields_set | update.keys())
+        return copy
+
+    @classmethod
+    def load(cls, flags: Mapping[str, Any], config_file: Path | None = None) -> Settings:
+        """Build settings from parsed flags (field name → value), the environment and an optional
+        config file.
+
+        :raises ConfigError: one line naming each wrong value's flag (prefixed with the variable
+            or file it came from) and the reason.
+        """
+        unknown = flags.keys() - cls.model_fields.keys()
+        if unknown:
+            raise ConfigError(f"unknown setting {sorted(unknown)[0]!r}")
+        # Lowest precedence first, so that a higher source replaces the value and its origin.
+        given: dict[str, tuple[Any, str]] = {}
+        if config_file:
+            given.update((name, (value, f"{config_file}: ")) for name, value in load_config_file(config_file).items())
+        given.update((name, (value, f"{ENV_PREFIX}{name.upper()}: ")) for name, value in _environment().items())
+        given.update((name, (value, "")) for name, value in flags.items())
+        values: dict[str, Any] = {}
+        errors = []
+        for name, setting in cls.model_fields.items():  # every error, in declaration order
+            if name in given:
+                value, origin = given[name]
+                try:
+                    values[name] = setting.coerce(value)
+                except ValueError as exc:
+                    errors.append(f"{origin}{setting.flag}: {exc}")
+        if errors:
+            raise ConfigError("; ".join(errors))
+        settings = cls(**values)
+        settings._check_combination()
+        return settings
+
+    def _check_combination(self) -> None:
+        if self.telemetry_source == "mock" and self.telemetry_mock_file is None:
+            raise ConfigError("--telemetry.source=mock needs --telemetry.mock-file")
+        if not self.scratch_roots:
+            raise ConfigError("at least one --scratch.root is needed")
+
+
+def _settings_fields(cls: type) -> dict[str, Setting]:
+    hints = typing.get_type_hints(cls, include_extras=True)
+    out = {}
+    for f in dataclasses.fields(cls):
+        annotation, *meta = typing.get_args(hints[f.name])
+        (setting,) = (m for m in meta if isinstance(m, Setting))
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        out[f.name] = dataclasses.replace(setting, name=f.name, annotation=annotation, default=default)
+    return out
+
+
+Settings.model_fields = _settings_fields(Settings)
+
+
+def _environment() -> dict[str, str]:
+    """Settings set as ``GPU_ALLOC_EXPORTER_<NAME>`` variables; the names match in any case."""
+    environ = {key.upper(): value for key, value in os.environ.items()}
+    return {name: environ[key] for name in Settings.model_fields if (key := f"{ENV_PREFIX}{name.upper()}") in environ}
+
+
+# -- coercion: pydantic's lax rules and words, for the types the settings use ----------------------
+
+_TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
+_FALSE = frozenset({"0", "off", "f", "false", "n", "no"})
+_INTEGER = re.compile(r"([+-]?\d+(?:_\d+)*)(?:\.0*)?")  # "2.0" is the integer 2; "1.5" and "1e3" are not
+
+
+def _coerce(annotation: Any, value: Any) -> Any:
+    origin = typing.get_origin(annotation)
+    if origin is Literal:
+        choices = typing.get_args(annotation)
+        if value in choices and isinstance(value, str):
+            return value
+        others = ", ".join(map(repr, choices[:-1]))
+        raise ValueError(f"Input should be {others + ' or ' if others else ''}{choices[-1]!r}")
+    if origin is types.UnionType:  # X | None
+        (inner,) = (a for a in typing.get_args(annotation) if a is not type(None))
+        return None if value is None else _coerce(inner, value)
+    if origin is list:
+        if isinstance(value, str):  # an environment variable (or a file's string): a JSON list, or comma-separated
+            value = _split_list(value)
+        if not isinstance(value, list | tuple):
+            raise ValueError("Input should be a valid list")
+        (item,) = typing.get_args(annotation)
+        return [_coerce(item, v) for v in value]
+    return _SCALARS[annotation](value)
+
+
+def _split_list(text: str) -> list[Any]:
+    if not text.startswith("["):
+        return [v for v in text.split(",") if v]
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"Input should be a JSON list or comma-separated values ({exc})") from None
+    if not isinstance(value, list):
+        raise ValueError("Input should be a JSON list or comma-separated values")
+    return value
+
+
+def _str(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    raise ValueError("Input should be a valid string")  # a YAML number or date is no agent id
+
+
+def _bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int | float) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
+        return value.lower() in _TRUE
+    raise ValueError("Input should be a valid boolean" + (", unable to interpret input" if isinstance(value, str | int | float) else ""))
+
+
+def _int(value: Any) -> int:
+    if isinstance(value, int):  # bool included: true is 1, as in pydantic
+        return int(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError("Input should be a finite number")
+        if not value.is_integer():
+            raise ValueError("Input should be a valid integer, got a number with a fractional part")
+        return int(value)
+    if isinstance(value, str):
+        match = _INTEGER.fullmatch(value.strip())
+        if match:
+            return int(match.group(1))
+        raise ValueError("Input should be a valid integer, unable to parse string as an integer")
+    raise ValueError("Input should be a valid integer")
+
+
+def _float(value: Any) -> float:
+    try:
+        if isinstance(value, int | float):  # bool included: true is 1.0, as in pydantic
+            return float(value)
+        if isinstance(value, str):
+            return float(value)  # takes surrounding blanks, "1_000", "inf" and "nan" (which fails a bound)
+    except OverflowError:  # an integer beyond float's range
+        raise ValueError("Input should be a finite number") from None
+    except ValueError:
+        raise ValueError("Input should be a valid number, unable to parse string as a number") from None
+    raise ValueError("Input should be a valid number")
+
+
+def _decimal(value: Any) -> Decimal:
+    if isinstance(value, bool) or not isinstance(value, int | float | str | Decimal):
+        raise ValueError("Decimal input should be an integer, float, string or Decimal object")
+    try:
+        # A float by its shortest repr: YAML's 0.1 is Decimal("0.1"), not 0.1000000000000000055...
+        number = Decimal(value.strip() if isinstance(value, str) else str(value))
+    except InvalidOperation:
+        raise ValueError("Input should be a valid decimal") from None
+    if not number.is_finite():
+        raise ValueError("Input should be a finite number")
+    return number
+
+
+def _path(value: Any) -> Path:
+    if isinstance(value, str | os.PathLike):
+        return Path(value)
+    raise ValueError("Input is not a valid path")
+
+
+_SCALARS: dict[Any, Callable[[Any], Any]] = {str: _str, bool: _bool, int: _int, float: _float, Decimal: _decimal, Path: _path}
+
+
+# -- the config file ----------------------------------------------------------------------------
 
 
 def load_config_file(path: Path) -> dict[str, Any]:
@@ -268,9 +439,9 @@ def load_config_file(path: Path) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of settings")
-    by_flag = {(f.json_schema_extra or {})["flag"].lstrip("-"): name for name, f in Settings.model_fields.items()}
+    by_flag = {s.flag.lstrip("-"): name for name, s in Settings.model_fields.items()}
     out: dict[str, Any] = {}
-    for key, value in _flatten(data):
+    for key, value in _flatten(data, by_flag.keys() | Settings.model_fields.keys()):
         name = by_flag.get(key) or key.replace("-", "_").replace(".", "_")
         if name not in Settings.model_fields:
             raise ConfigError(f"{path}: unknown setting {key!r}")
@@ -278,37 +449,14 @@ def load_config_file(path: Path) -> dict[str, Any]:
     return out
 
 
-def _flatten(data: dict[Any, Any], prefix: str = "") -> list[tuple[str, Any]]:
+def _flatten(data: dict[Any, Any], names: set[str], prefix: str = "") -> list[tuple[str, Any]]:
     """Nested tables as dotted keys: TOML's ``[scratch] root = [...]`` (or YAML's ``scratch: {root:
-    [...]}``) is ``scratch.root``. A key that names a setting keeps its value as it is."""
-    names = {(f.json_schema_extra or {})["flag"].lstrip("-") for f in Settings.model_fields.values()} | set(Settings.model_fields)
+    [...]}``) is ``scratch.root``. A key that names a setting (in ``names``) keeps its value as it is."""
     out = []
     for key, value in data.items():
         dotted = f"{prefix}{key}"
         if isinstance(value, dict) and dotted not in names:
-            out += _flatten(value, dotted + ".")
+            out += _flatten(value, names, dotted + ".")
         else:
             out.append((dotted, value))
     return out
-
-
-def parse_listen_address(address: str) -> tuple[str, int]:
-    """``host:port``, ``:port`` or ``[v6]:port`` → (host, port); an empty host means all interfaces."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ValueError(f"listen address {address!r} is not host:port")
-    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    return host, int(port)
-
-
-def _one_line(exc: Any, origins: dict[str, str] | None = None) -> str:
-    parts = []
-    for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"])
-        name = str(err["loc"][0]) if err["loc"] else ""
-        field = Settings.model_fields.get(name)
-        flag = (field.json_schema_extra or {}).get("flag") if field else None
-        msg = err["msg"].removeprefix("Value error, ")
-        where = (origins or {}).get(name, "")
-        parts.append(f"{where}{flag or loc}: {msg}" if (flag or loc) else msg)
-    return "; ".join(parts)

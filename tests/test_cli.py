@@ -267,7 +267,7 @@ def test_help_names_the_commands_whole_placeholders_and_allowed_values(capsys) -
     for command in COMMANDS:
         assert f"gpu-alloc-exporter {command}" in usage or f"[{command}]" in usage
     for name, field in Settings.model_fields.items():
-        flag = field.json_schema_extra["flag"]
+        flag = field.flag
         assert flag in out and f"env {name.upper()}" in flat, flag
         choices = literal_choices(field.annotation)
         if choices:
@@ -318,6 +318,119 @@ def test_config_file_and_precedence(tmp_path: Path, capsys, monkeypatch) -> None
     cfg.write_text("no.such.setting: 1\n")
     assert main(["--config.file", str(cfg)]) == 2
     assert "unknown setting 'no.such.setting'" in capsys.readouterr().err
+
+
+# -- settings: the coercion and checks that Settings.load does by hand --------------------------
+
+
+@pytest.mark.parametrize(("variable", "text", "field", "expected"), [
+    ("TELEMETRY_PCIE", "yes", "telemetry_pcie", True),
+    ("TELEMETRY_PCIE", "Off", "telemetry_pcie", False),
+    ("TELEMETRY_PCIE", "1", "telemetry_pcie", True),
+    ("STALE_GRACE", " 12.5 ", "stale_grace", 12.5),
+    ("TELEMETRY_INTERVAL", "1e1", "telemetry_interval", 10.0),
+    ("SCRATCH_MAX_FILE_BYTES", "2.0", "scratch_max_file_bytes", 2),
+    ("CAPACITY_QUANTUM", "0.05", "capacity_quantum", Decimal("0.05")),
+    ("SCRATCH_ROOTS", "/a,,/b", "scratch_roots", [Path("/a"), Path("/b")]),
+    ("SCRATCH_ROOTS", '["/a", "/b,c"]', "scratch_roots", [Path("/a"), Path("/b,c")]),
+    ("HEADROOM_REQUESTS", "cuda.shares=1,cuda.device=2", "headroom_requests", ["cuda.shares=1", "cuda.device=2"]),
+    ("AGENT_CONFIG_FILE", "/etc/agent.toml", "agent_config_file", Path("/etc/agent.toml")),
+])
+def test_environment_values_are_coerced(variable, text, field, expected, monkeypatch) -> None:
+    from exporter.settings import Settings
+
+    monkeypatch.setenv(f"GPU_ALLOC_EXPORTER_{variable}", text)
+    settings = Settings.load({})
+    assert getattr(settings, field) == expected and type(getattr(settings, field)) is type(expected)
+    assert settings.model_fields_set == {field}
+
+
+@pytest.mark.parametrize(("variable", "text", "message"), [
+    ("TELEMETRY_PCIE", "maybe", "--telemetry.pcie: Input should be a valid boolean, unable to interpret input"),
+    ("STALE_GRACE", "soon", "--stale.grace: Input should be a valid number, unable to parse string as a number"),
+    ("STALE_GRACE", "-1", "--stale.grace: Input should be greater than or equal to 0"),
+    ("ATTRIBUTION_IDLE_THRESHOLD_RATIO", "2", "--attribution.idle-threshold-ratio: Input should be less than or equal to 1"),
+    ("SCRATCH_MAX_FILE_BYTES", "1.5", "--scratch.max-file-bytes: Input should be a valid integer, unable to parse string as an integer"),
+    ("CAPACITY_QUANTUM", "nan", "--capacity.quantum: Input should be a finite number"),
+    ("LOG_LEVEL", "loud", "--log.level: Input should be 'debug', 'info', 'warning' or 'error'"),
+    ("SCRATCH_ROOTS", "[/a", "--scratch.root: Input should be a JSON list or comma-separated values"),
+    ("SCRATCH_ROOTS", "[1]", "--scratch.root: Input is not a valid path"),
+])
+def test_a_bad_environment_value_names_the_variable_flag_and_reason(variable, text, message, monkeypatch) -> None:
+    from exporter.settings import ConfigError, Settings
+
+    monkeypatch.setenv(f"GPU_ALLOC_EXPORTER_{variable}", text)
+    with pytest.raises(ConfigError) as caught:
+        Settings.load({})
+    assert str(caught.value).startswith(f"GPU_ALLOC_EXPORTER_{variable}: {message}")
+    assert "\n" not in str(caught.value) and "class" not in str(caught.value)
+
+
+def test_every_bad_value_is_reported_in_declaration_order_naming_its_source(tmp_path: Path, monkeypatch) -> None:
+    from exporter.settings import ConfigError, Settings
+
+    cfg = tmp_path / "c.yml"
+    cfg.write_text("scratch.max-file-bytes: 3.5\nagent.id: 123\nweb.listen-address: nonsense\n")
+    monkeypatch.setenv("GPU_ALLOC_EXPORTER_STALE_GRACE", "-1")
+    with pytest.raises(ConfigError) as caught:
+        Settings.load({"telemetry_source": "bogus"}, cfg)
+    assert str(caught.value) == "; ".join([
+        f"{cfg}: --scratch.max-file-bytes: Input should be a valid integer, got a number with a fractional part",
+        f"{cfg}: --web.listen-address: listen address 'nonsense' is not host:port",
+        "--telemetry.source: Input should be 'auto', 'nvml', 'mock' or 'none'",
+        "GPU_ALLOC_EXPORTER_STALE_GRACE: --stale.grace: Input should be greater than or equal to 0",
+        f"{cfg}: --agent.id: Input should be a valid string",
+    ])
+
+
+def test_precedence_is_flags_then_environment_then_file_then_defaults(tmp_path: Path, monkeypatch) -> None:
+    from exporter.settings import Settings
+
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[stale]\ngrace = 5\n[telemetry]\ninterval = 7\ntimeout = 0.5\n[log]\nlevel = "debug"\n')
+    monkeypatch.setenv("GPU_ALLOC_EXPORTER_TELEMETRY_INTERVAL", "8")
+    monkeypatch.setenv("gpu_alloc_exporter_stale_grace", "6")  # variable names match in any case
+    s = Settings.load({"stale_grace": "9", "log_level": "error"}, cfg)
+    assert (s.stale_grace, s.telemetry_interval, s.telemetry_timeout, s.log_level, s.scratch_poll_interval) == (9.0, 8.0, 0.5, "error", 2.0)
+    assert s.model_fields_set == {"stale_grace", "telemetry_interval", "telemetry_timeout", "log_level"}
+    # A value the environment overrides is not checked: only the one used can be wrong.
+    cfg.write_text("[telemetry]\ninterval = -1\n")
+    assert Settings.load({}, cfg).telemetry_interval == 8.0
+
+
+def test_unknown_config_keys_and_combinations_are_refused(tmp_path: Path) -> None:
+    from exporter.settings import ConfigError, Settings
+
+    cfg = tmp_path / "c.yml"
+    for text, message in [
+        ("scratch:\n  root: [/x]\n  bogus: 1\n", f"{cfg}: unknown setting 'scratch.bogus'"),
+        ("scratch.root: []\n", "at least one --scratch.root is needed"),
+        ("telemetry.source: mock\n", "--telemetry.source=mock needs --telemetry.mock-file"),
+    ]:
+        cfg.write_text(text)
+        with pytest.raises(ConfigError) as caught:
+            Settings.load({}, cfg)
+        assert str(caught.value) == message
+
+
+def test_copies_and_direct_construction_record_what_was_given() -> None:
+    from exporter.settings import Settings
+
+    s = Settings(scratch_roots=[Path("/q")], telemetry_source="none")
+    assert s.model_fields_set == {"scratch_roots", "telemetry_source"} and s.telemetry_interval == 5.0
+    c = s.model_copy(update={"stale_grace": 1.0})
+    assert c.stale_grace == 1.0 and s.stale_grace == 300.0 and c.scratch_roots == [Path("/q")]
+    assert c.model_fields_set == {"scratch_roots", "telemetry_source", "stale_grace"}
+    assert Settings().scratch_roots is not Settings().scratch_roots  # a default list is never shared
+    with pytest.raises(TypeError, match="no_such"):
+        Settings(no_such=1)
+
+
+def test_starting_does_not_import_pydantic() -> None:
+    """pydantic (~20 MiB, ~0.15 s) is imported only to read a --web.config.file."""
+    code = ("import sys, exporter.cli, exporter.app, exporter.web.server; assert 'pydantic' not in sys.modules; "
+            "from exporter.web.webconfig import parse_web_config; parse_web_config('{}'); assert 'pydantic' in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_scan_prints_a_table_and_json(scratch: Path, capsys) -> None:

@@ -71,7 +71,7 @@ def test_every_flag_is_in_the_configuration_reference_and_back() -> None:
 def test_the_configuration_reference_names_every_environment_variable_and_default() -> None:
     text = (DOCS / "configuration.md").read_text()
     for name, field in Settings.model_fields.items():
-        flag = field.json_schema_extra["flag"]
+        flag = field.flag
         row = next((r for r in text.splitlines() if r.startswith(f"| `{flag}")), "")
         assert f"`GPU_ALLOC_EXPORTER_{name.upper()}`" in row, flag
         assert field.description in row, flag

@@ -45,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import functools
 import hashlib
 import hmac
 import ipaddress
@@ -61,10 +62,9 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import Any, NamedTuple
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 __all__ = [
     "ALLOWED_HEADERS",
@@ -240,43 +240,59 @@ def parse_web_config(text: str, path: str | None = None) -> WebConfig:
 # -- the schema: key names, nesting and types (pydantic); the rules between keys are below ---------
 
 
-class _Strict(BaseModel):
-    # Like Go's yaml.UnmarshalStrict into exporter-toolkit's structs: unknown keys and values of the
-    # wrong type are errors (no "3" for a bool, no 1.3 for a string).
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+class _Schema(NamedTuple):
+    """The pydantic models of a web config file: the whole file and its three sections."""
+
+    root: Any
+    tls: Any
+    http: Any
+    rate_limit: Any
+
+    def section(self, key: str) -> Any:
+        return {"tls_server_config": self.tls, "http_server_config": self.http, "rate_limit": self.rate_limit}[key]
 
 
-class _TLSModel(_Strict):
-    cert_file: str | None = None
-    key_file: str | None = None
-    cert: str | None = None
-    key: str | None = None
-    client_auth_type: str | None = None
-    client_ca_file: str | None = None
-    client_ca: str | None = None
-    cipher_suites: list[str] | None = None
-    curve_preferences: list[str] | None = None
-    min_version: str | None = None
-    max_version: str | None = None
-    prefer_server_cipher_suites: bool = True
-    client_allowed_sans: list[str] | None = None
+@functools.cache
+def _schema() -> _Schema:
+    """Defined on the first load of a web config, not at import: pydantic costs ~20 MiB and ~0.15 s
+    of a start that must stay within 1 s and 60 MiB, and most exporters run without a web config."""
+    from pydantic import BaseModel, ConfigDict, Field
 
+    class _Strict(BaseModel):
+        # Like Go's yaml.UnmarshalStrict into exporter-toolkit's structs: unknown keys and values of the
+        # wrong type are errors (no "3" for a bool, no 1.3 for a string).
+        model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
-class _HTTPModel(_Strict):
-    http2: bool = True
-    headers: dict[str, str] | None = None
+    class _TLSModel(_Strict):
+        cert_file: str | None = None
+        key_file: str | None = None
+        cert: str | None = None
+        key: str | None = None
+        client_auth_type: str | None = None
+        client_ca_file: str | None = None
+        client_ca: str | None = None
+        cipher_suites: list[str] | None = None
+        curve_preferences: list[str] | None = None
+        min_version: str | None = None
+        max_version: str | None = None
+        prefer_server_cipher_suites: bool = True
+        client_allowed_sans: list[str] | None = None
 
+    class _HTTPModel(_Strict):
+        http2: bool = True
+        headers: dict[str, str] | None = None
 
-class _RateLimitModel(_Strict):
-    interval: int | str = 0  # a Go duration string, or an integer of nanoseconds
-    burst: int = Field(0, ge=0)
+    class _RateLimitModel(_Strict):
+        interval: int | str = 0  # a Go duration string, or an integer of nanoseconds
+        burst: int = Field(0, ge=0)
 
+    class _WebConfigModel(_Strict):
+        tls_server_config: _TLSModel | None = None
+        http_server_config: _HTTPModel | None = None
+        basic_auth_users: dict[str, str] | None = None
+        rate_limit: _RateLimitModel | None = None
 
-class _WebConfigModel(_Strict):
-    tls_server_config: _TLSModel | None = None
-    http_server_config: _HTTPModel | None = None
-    basic_auth_users: dict[str, str] | None = None
-    rate_limit: _RateLimitModel | None = None
+    return _Schema(_WebConfigModel, _TLSModel, _HTTPModel, _RateLimitModel)
 
 
 # What a wrong type is called in an error (pydantic's error types; never the value, never a class).
@@ -287,7 +303,7 @@ _EXPECTED = {
 }
 
 
-def _schema_error(error: Any) -> WebConfigError:
+def _schema_error(error: Any, schema: _Schema) -> WebConfigError:
     """One pydantic error as one line: the dotted key and the reason."""
     loc = [str(p) for p in error["loc"] if p != "[key]"]
     if error["loc"] and error["loc"][-1] == "[key]":
@@ -297,9 +313,9 @@ def _schema_error(error: Any) -> WebConfigError:
     key = ".".join(loc)
     kind = error["type"]
     if kind == "extra_forbidden":
-        model: type[BaseModel] = _WebConfigModel
+        model = schema.root
         for part in loc[:-1]:
-            model = _NESTED[part]
+            model = schema.section(part)
         return WebConfigError(f"unknown key '{key}' (allowed: {', '.join(model.model_fields)})")
     if key == "basic_auth_users" or key.startswith("basic_auth_users."):
         if kind == "string_type" and len(loc) == 2:
@@ -309,21 +325,19 @@ def _schema_error(error: Any) -> WebConfigError:
     return WebConfigError(f"{key or 'top level'}: {_EXPECTED.get(kind, 'not valid here')}")
 
 
-_NESTED: dict[str, type[BaseModel]] = {
-    "tls_server_config": _TLSModel, "http_server_config": _HTTPModel, "rate_limit": _RateLimitModel,
-}
-
-
 def _build(doc: Any, path: str | None) -> WebConfig:
+    from pydantic import ValidationError
+
+    schema = _schema()
     try:
-        model = _WebConfigModel.model_validate({} if doc is None else doc)
+        model = schema.root.model_validate({} if doc is None else doc)
     except ValidationError as exc:
-        raise _schema_error(exc.errors(include_input=False, include_url=False)[0]) from None
+        raise _schema_error(exc.errors(include_input=False, include_url=False)[0], schema) from None
     base = os.path.dirname(path) if path else os.getcwd()
-    tls = _tls(model.tls_server_config or _TLSModel(), base)
-    http = model.http_server_config or _HTTPModel()
+    tls = _tls(model.tls_server_config or schema.tls(), base)
+    http = model.http_server_config or schema.http()
     users = _users(model.basic_auth_users or {})
-    rate = _rate_limit(model.rate_limit or _RateLimitModel())
+    rate = _rate_limit(model.rate_limit or schema.rate_limit())
     return WebConfig(path, tls, _headers(http.headers or {}), MappingProxyType(users), http.http2, rate)
 
 
@@ -332,7 +346,7 @@ def _join(base: str, p: str) -> str:
     return p if not p or os.path.isabs(p) else os.path.join(base, p)
 
 
-def _tls(raw: _TLSModel, base: str) -> TLSSettings:
+def _tls(raw: Any, base: str) -> TLSSettings:  # raw: the validated tls_server_config
     w = "tls_server_config"
     s = {k: getattr(raw, k) or "" for k in
          ("cert_file", "key_file", "cert", "key", "client_auth_type", "client_ca_file", "client_ca")}
@@ -432,7 +446,7 @@ def parse_go_duration(text: str) -> float:
     return total
 
 
-def _rate_limit(raw: _RateLimitModel) -> tuple[float, int] | None:
+def _rate_limit(raw: Any) -> tuple[float, int] | None:  # raw: the validated rate_limit
     w = "rate_limit"
     if isinstance(raw.interval, int):
         seconds = raw.interval * 1e-9  # a bare YAML integer is nanoseconds for a Go time.Duration
