@@ -85,7 +85,7 @@ def _gpu_of(reading: DeviceReading | MigDeviceReading | None, snapshot: Telemetr
     return None
 
 
-def _held(kernel: Kernel, snapshot: TelemetrySnapshot, resolver: DeviceResolver, capacity: CapacityConfig) -> list[_Held]:
+def _held(kernel: Kernel, snapshot: TelemetrySnapshot, resolver: DeviceResolver, capacity: CapacityConfig) -> tuple[_Held, ...]:
     mem_slot: dict[str, Decimal] = {}
     for a in kernel.allocations:
         if a.slot.partition(".")[0] == _NVML_PLUGIN and slot_kind(a.slot) is SlotKind.BYTES:
@@ -116,7 +116,7 @@ def _held(kernel: Kernel, snapshot: TelemetrySnapshot, resolver: DeviceResolver,
         if a.device_id in mem_slot:
             memory = float(mem_slot[a.device_id])
         out.append(_Held(a.device_id, label, share, memory))
-    return out
+    return tuple(out)  # kept per kernel: a tuple is the smallest sequence
 
 
 def _inventory_key(snapshot: TelemetrySnapshot) -> Hashable:
@@ -137,6 +137,10 @@ def gpu_shares(held: Iterable[_Held]) -> dict[str, float]:
     return out
 
 
+# One kernel's cached holdings: its Kernel object, what it holds, and (GPU, share) pairs.
+_HeldEntry = tuple[Kernel, tuple[_Held, ...], tuple[tuple[str, float], ...]]
+
+
 class Accountant:
     """Keeps the chargeback counters; call :meth:`update` from the analysis thread only.
 
@@ -152,9 +156,10 @@ class Accountant:
         self._rates: dict[tuple[str, str], tuple[float, float | None]] = {}
         # What each kernel holds depends only on its immutable Kernel object and the devices'
         # inventory: cached per kernel object while the inventory stays the same (a pass over
-        # 10,000 unchanged kernels then costs lookups, not 10,000 capacity computations).
+        # 10,000 unchanged kernels then costs lookups, not 10,000 capacity computations). The
+        # shares per GPU are kept as pairs: a tuple of one pair is ~100 bytes, a dict ~220.
         self._held_env: Hashable = None
-        self._held: dict[str, tuple[Kernel, list[_Held], dict[str, float]]] = {}
+        self._held: dict[str, _HeldEntry] = {}
         self._allocated: dict[tuple[str, str], float] = {}
         self._used: dict[tuple[str, str], float] = {}
         self._ended: dict[str, float] = {}  # kernel_id -> monotonic time it went away
@@ -180,18 +185,16 @@ class Accountant:
         shares: dict[tuple[str, str], float] = {}
         uses: dict[str, KernelUse] = {}
         rates: dict[tuple[str, str], tuple[float, float | None]] = {}
-        present = set()
         env = (_inventory_key(snapshot), resolver.scheme, id(capacity))
         if env != self._held_env:
             self._held_env, self._held = env, {}
-        held_now: dict[str, tuple[Kernel, list[_Held], dict[str, float]]] = {}
+        held_now: dict[str, _HeldEntry] = {}
         unmeasured = KernelUse(None, None)
         for k in kernels:
-            present.add(k.kernel_id)
             cached = self._held.get(k.kernel_id)
             if cached is None or cached[0] is not k:
                 held = _held(k, snapshot, resolver, capacity)
-                cached = (k, held, gpu_shares(held))
+                cached = (k, held, tuple(gpu_shares(held).items()))
             held_now[k.kernel_id] = cached
             held, held_shares = cached[1], cached[2]
             if not held:
@@ -199,9 +202,10 @@ class Accountant:
             if not any((k.kernel_id, h.alloc_device_id) in measured for h in held):
                 # Nothing measured (no telemetry, MIG, no process yet): no ratios, shares only.
                 uses[k.kernel_id] = unmeasured
-                for gpu, share in held_shares.items():
-                    shares[(k.kernel_id, gpu)] = share
-                    rates[(k.kernel_id, gpu)] = (share, None)
+                for gpu, share in held_shares:
+                    key = (k.kernel_id, gpu)  # one key object for both maps (and the counters)
+                    shares[key] = share
+                    rates[key] = (share, None)
                 continue
             utils, mems = [], []
             per_gpu_util: dict[str, list[float | None]] = {}
@@ -215,17 +219,17 @@ class Accountant:
                 # fully using it; the bytes themselves are gpu_alloc_kernel_memory_used_bytes.
                 mems.append(min(1.0, used / h.memory_bytes) if used is not None and h.memory_bytes else None)
             uses[k.kernel_id] = KernelUse(_mean(utils), _mean(mems))
-            for gpu, share in held_shares.items():
-                shares[(k.kernel_id, gpu)] = share
-                gpu_utils = per_gpu_util[gpu]
-                rates[(k.kernel_id, gpu)] = (share, _mean(gpu_utils))
+            for gpu, share in held_shares:
+                key = (k.kernel_id, gpu)
+                shares[key] = share
+                rates[key] = (share, _mean(per_gpu_util[gpu]))
         self._rates = rates
         self._held = held_now
 
         # Counters of kernels that went away stay for the retention period, then go.
         for key in list(self._allocated):
             kid = key[0]
-            if kid in present:
+            if kid in held_now:  # every kernel present has an entry
                 self._ended.pop(kid, None)
             elif now - self._ended.setdefault(kid, now) > self._retention:
                 self._allocated.pop(key, None)

@@ -75,6 +75,19 @@ class KernelLiveness:
     reason: str
 
 
+# Every verdict classify() gives, made once: a node of 10,000 kernels holds one reference per
+# kernel, not one 48-byte object per kernel and analysis pass.
+_CONTAINER_RUNNING = KernelLiveness(Liveness.LIVE, "container-running")
+_POD_RUNNING = KernelLiveness(Liveness.LIVE, "pod-running")
+_IN_AGENT_REGISTRY = KernelLiveness(Liveness.LIVE, "in-agent-registry")
+_STARTING = KernelLiveness(Liveness.LIVE, "starting")
+_CONTAINER_GONE = KernelLiveness(Liveness.STALE, "container-gone")
+_POD_GONE = KernelLiveness(Liveness.STALE, "pod-gone")
+_PENDING_TOO_LONG = KernelLiveness(Liveness.STALE, "pending-too-long")
+_CGROUP_NOT_VISIBLE = KernelLiveness(Liveness.UNKNOWN, "cgroup-not-visible")
+_NO_CONTAINER_ID = KernelLiveness(Liveness.UNKNOWN, "no-container-id")
+
+
 @dataclass(frozen=True, slots=True)
 class CgroupScan:
     """What one walk of the cgroup tree showed.
@@ -148,25 +161,21 @@ def classify(
     """
     young = now - kernel.since <= grace_seconds
     if kernel.state is KernelState.PENDING:
-        return (
-            KernelLiveness(Liveness.LIVE, "starting") if young else KernelLiveness(Liveness.STALE, "pending-too-long")
-        )
+        return _STARTING if young else _PENDING_TOO_LONG
     cid = (kernel.container_id or "").lower()
     if not cid:
         if pod_running is not None and scan.visible:
             if pod_running:
-                return KernelLiveness(Liveness.LIVE, "pod-running")
-            return KernelLiveness(Liveness.LIVE, "starting") if young else KernelLiveness(Liveness.STALE, "pod-gone")
+                return _POD_RUNNING
+            return _STARTING if young else _POD_GONE
         if recovery_agent_id is not None and recovery_agent_id in host_agents:
-            return KernelLiveness(Liveness.LIVE, "in-agent-registry")
-        return KernelLiveness(Liveness.LIVE, "starting") if young else KernelLiveness(Liveness.UNKNOWN, "no-container-id")
+            return _IN_AGENT_REGISTRY
+        return _STARTING if young else _NO_CONTAINER_ID
     if not scan.visible:
-        return KernelLiveness(Liveness.UNKNOWN, "cgroup-not-visible")
+        return _CGROUP_NOT_VISIBLE
     if cid in scan.container_ids or (len(cid) < 64 and any(c.startswith(cid) for c in scan.container_ids)):
-        return KernelLiveness(Liveness.LIVE, "container-running")
-    if young:
-        return KernelLiveness(Liveness.LIVE, "starting")
-    return KernelLiveness(Liveness.STALE, "container-gone")
+        return _CONTAINER_RUNNING
+    return _STARTING if young else _CONTAINER_GONE
 
 
 def classify_kernels(

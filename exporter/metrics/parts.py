@@ -7,7 +7,7 @@ so this layer depends on the data it renders, never on the wiring that produces 
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -63,7 +63,7 @@ class SeriesOptions:
 
 def exporter_parts(
     node: NodeReader, *, telemetry_source: str, agent_id: str | None, series: SeriesOptions | None = None,
-    layout: AgentLayout | None = None,
+    layout: AgentLayout | None = None, docker_labels: Callable[[], Health] | None = None,
 ) -> list[Part]:
     """Each part with the token its output depends on (see :meth:`ExporterCollector.render`).
 
@@ -73,10 +73,13 @@ def exporter_parts(
     :param series: the cardinality switches; None: every series (the defaults).
     :param layout: the host's agents; a multi-agent host gets the ``agents`` part (per-agent
         families), a single-agent one no extra part, so its exposition stays as it was.
+    :param docker_labels: the health of the opt-in Docker label reader (``--identity.docker-socket``);
+        its part has no families of its own (the identities it reads are on the scratch part's
+        series), only its ``collector`` status.
     """
     series = series or SeriesOptions()
     book, watcher = node.book, node.watcher
-    kernel_text = KernelText(agent_id)
+    kernel_text = KernelText(agent_id, gzipped=True)
 
     def telemetry() -> list[Metric]:
         view, snapshot = book.view(), node.snapshot()
@@ -98,7 +101,7 @@ def exporter_parts(
 
     def scratch_text() -> bytes:
         view = book.view()
-        return render_families(allocation_families(view)) + kernel_text.render(view)
+        return kernel_text.render(view, head=render_families(allocation_families(view)))
 
     def scratch_health() -> Health:
         scans = watcher.status().last_scan
@@ -110,7 +113,7 @@ def exporter_parts(
 
     parts = [
         Part("build", lambda: [build_info(agent_id)], lambda: 0),
-        Part("scratch", scratch, lambda: book.version, scratch_text, scratch_health),
+        Part("scratch", scratch, lambda: book.version, scratch_text, scratch_health, gzipped=True),
         Part("watcher", lambda: watcher_families(watcher.status()), watcher.status,
              health=lambda: Health(watcher.status().up)),
         Part(telemetry_source, telemetry, lambda: (book.version, node.sampler_version()),
@@ -122,6 +125,8 @@ def exporter_parts(
         Part("accounting", lambda: accounting_families(node.analysis.accounting), lambda: node.analysis.version,
              health=lambda: accounting_health(node.analysis.accounting)),
     ]
+    if docker_labels is not None:
+        parts.append(Part("docker-labels", list, docker_labels, health=docker_labels))
     if layout is not None and layout.multi_agent:
         parts.append(Part("agents", lambda: agent_families(layout, node.agent_views(), node.agent_headroom()), headroom_token))
     return parts

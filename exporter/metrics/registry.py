@@ -17,8 +17,11 @@ import gzip
 import logging
 import threading
 import time
-from collections.abc import Callable, Hashable, Iterable
+from array import array
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import accumulate
+from typing import TypeVar
 
 from prometheus_client import generate_latest
 from prometheus_client.core import Metric
@@ -26,9 +29,11 @@ from prometheus_client.registry import Collector
 
 from exporter.metrics.status import Health, PartStatus, status_families
 
-__all__ = ["ExporterCollector", "Part", "merge", "render_families"]
+__all__ = ["ExporterCollector", "Part", "SplicedText", "gzip_member", "merge", "render_families"]
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 def merge(families: Iterable[Metric]) -> list[Metric]:
@@ -51,6 +56,9 @@ class Part:
     :param text: a faster renderer of the same families as text; None: ``generate_latest``.
     :param health: the verdict of the part's background work (a failed telemetry cycle is
         ``success 0`` even though its families render); None: the render's own success.
+    :param gzipped: ``text`` gives the text as a gzip member (:func:`gzip_member`), and only that
+        is cached: a plain scrape decompresses it (~5 ms for the ~4.8 MB of 10,000 kernels, which
+        would otherwise stay resident beside their ~0.24 MB member).
     """
 
     name: str
@@ -58,15 +66,25 @@ class Part:
     token: Callable[[], Hashable]
     text: Callable[[], bytes] | None = None
     health: Callable[[], Health] | None = None
+    gzipped: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class _Cached:
     token: Hashable
-    text: bytes
-    gzipped: bytes | None  # computed on the first gzip request
-    duration_seconds: float  # the render that produced ``text``
+    text: bytes | None  # None for a part that gives a gzip member (Part.gzipped)
+    gzipped: bytes | None  # else computed on the first gzip request
+    duration_seconds: float  # the render that produced the text
     rendered_at: float  # unix time of that render: the part's last successful run
+
+    def plain(self) -> bytes:
+        return self.text if self.text is not None else gzip.decompress(self.gzipped)
+
+
+def gzip_member(text: bytes) -> bytes:
+    """``text`` as one gzip member; members concatenated are one gzip stream (RFC 1952). Level 1:
+    ~15 ms and 235 kB for the ~4.8 MB of 10,000 kernels (level 6: ~40 ms for 224 kB)."""
+    return gzip.compress(text, compresslevel=1)
 
 
 def render_families(families: list[Metric]) -> bytes:
@@ -84,12 +102,98 @@ class _Families:
         return self._families
 
 
+class SplicedText:
+    """Text made of per-key segments in key order, one segment per key in each of ``sections``
+    sections; a render encodes only the keys whose object changed and copies the rest from the
+    previous output.
+
+    The objects must be immutable, so that the same object always encodes to the same segments
+    (the allocation book hands out the same :class:`~exporter.scratch.allocation.Kernel` while a
+    kernel is unchanged). The previous output *is* the cache: a cache of each key's segments
+    would hold the text twice (~4.8 MB of per-kernel text at 10,000 kernels, plus ~50 bytes of
+    object header per segment); here each key costs a 4-byte length per section. Unchanged
+    neighbours are copied in runs, one slice per run, so after one change the new text is one
+    join of a few pieces.
+
+    Not thread-safe: the caller serialises renders.
+
+    :param sections: segments per key (a key with nothing in a section encodes ``b""`` there).
+    :param sep: written between neighbouring segments of a section.
+    :param gzipped: keep the last text only as a gzip member (:func:`gzip_member`), and render
+        that: ~20 times smaller, decompressed by the next render to copy from (~5 ms at 10,000
+        kernels).
+    """
+
+    def __init__(self, sections: int, sep: bytes = b"", gzipped: bool = False) -> None:
+        self._sections = sections
+        self._sep = sep
+        self._gzipped = gzipped
+        self._last = b""  # the last render's output: the text, or its gzip member
+        self._objects: Mapping[str, object] = {}  # what the last text was encoded from
+        self._order: list[str] = []  # its keys, sorted
+        self._section_starts: list[int] = []  # where each section begins in the last text
+        # Per section, per key of ``_order``: its segment's length plus ``len(sep)``, as if every
+        # segment were followed by a separator (bytes; "I": 4 bytes, far above one key's lines).
+        self._strides = array("I")
+
+    def render(self, objects: Mapping[str, T], encode: Callable[[str, T], Sequence[bytes]], frame: Sequence[bytes]) -> bytes:
+        """``frame[0]``, section 0, ``frame[1]``, …, ``frame[sections]`` (as a gzip member if ``gzipped``).
+
+        :param objects: key -> the object its segments are encoded from; keys sorted as ``str``.
+        :param encode: ``(key, object)`` -> its segment in each section.
+        """
+        old_order, old_objects, n_old = self._order, self._objects, len(self._order)
+        order = old_order if objects.keys() == old_objects.keys() else sorted(objects)
+        # The new sections, key by key: [first, last] old positions of neighbours copied
+        # together, or [None, the segments of a key encoded afresh].
+        parts: list[list] = []
+        i = 0
+        for key in order:  # both orders are sorted: one merge walk finds every old position
+            while i < n_old and old_order[i] < key:
+                i += 1
+            obj = objects[key]
+            if i < n_old and old_order[i] == key and old_objects[key] is obj:
+                if parts and parts[-1][0] is not None and parts[-1][1] == i - 1:
+                    parts[-1][1] = i
+                else:
+                    parts.append([i, i])
+            else:
+                parts.append([None, encode(key, obj)])
+        old = gzip.decompress(self._last) if self._gzipped and n_old else self._last
+        sep, old, old_strides = self._sep, memoryview(old), self._strides
+        pieces, strides, section_starts, pos = [], array("I"), [], 0
+        for s in range(self._sections):
+            pieces.append(frame[s])
+            pos += len(frame[s])
+            section_starts.append(pos)
+            base = s * n_old
+            # Where each old key's segment began (the last entry: the section's end + len(sep)).
+            offsets = list(accumulate(old_strides[base:base + n_old], initial=self._section_starts[s])) if n_old else []
+            for n, (first, last) in enumerate(parts):
+                if n:
+                    pieces.append(sep)
+                    pos += len(sep)
+                if first is None:
+                    piece = last[s]
+                    strides.append(len(piece) + len(sep))
+                else:
+                    piece = old[offsets[first]:offsets[last + 1] - len(sep)]
+                    strides.extend(old_strides[base + first:base + last + 1])
+                pieces.append(piece)
+                pos += len(piece)
+        pieces.append(frame[self._sections])
+        text = b"".join(pieces)
+        self._last = gzip_member(text) if self._gzipped else text
+        self._objects, self._order, self._section_starts, self._strides = objects, order, section_starts, strides
+        return self._last
+
+
 class ExporterCollector(Collector):
     """Every family of every part: a custom collector, plus cached rendering.
 
     Parts are independent, so adding one (telemetry, headroom, attribution) never touches this
     class. :meth:`render` renders each part only when its token changed and serves the rest from
-    cached text (plain and gzip): at 10,000 kernels the per-kernel families are ~20,000 samples,
+    cached text (plain and gzip, or gzip alone: :attr:`Part.gzipped`): at 10,000 kernels the per-kernel families are ~20,000 samples,
     ~150 ms to render, and they change only with the scratch tree, not every telemetry sample.
 
     :param parts: the parts, in exposition order; their names are the ``collector`` label values.
@@ -132,7 +236,7 @@ class ExporterCollector(Collector):
                 try:
                     cached = self._current(part)
                     if gzipped and cached.gzipped is None:
-                        cached = _Cached(cached.token, cached.text, gzip.compress(cached.text, compresslevel=1),
+                        cached = _Cached(cached.token, cached.text, gzip_member(cached.text),
                                          cached.duration_seconds, cached.rendered_at)
                         self._cache[part.name] = cached
                     health = self._health(part)
@@ -141,11 +245,11 @@ class ExporterCollector(Collector):
                     self._failed(part)
                     rows.append(self._row(part, False, time.perf_counter() - start, None, None))
                     continue
-                body.append(cached.gzipped if gzipped else cached.text)
+                body.append(cached.gzipped if gzipped else cached.plain())
                 rows.append(self._row(part, health.success, cached.duration_seconds, health, cached.rendered_at))
             # The status families change every render and are tiny: rendered each time.
             tail = render_families(status_families(rows))
-            body.append(gzip.compress(tail, compresslevel=1) if gzipped else tail)
+            body.append(gzip_member(tail) if gzipped else tail)
             return b"".join(body)
 
     def _current(self, part: Part) -> _Cached:
@@ -154,7 +258,8 @@ class ExporterCollector(Collector):
         if cached is None or cached.token != token:
             start = time.perf_counter()
             text = part.text() if part.text is not None else render_families(list(part.families()))
-            cached = _Cached(token, text, None, time.perf_counter() - start, self._clock())
+            plain, member = (None, text) if part.gzipped else (text, None)
+            cached = _Cached(token, plain, member, time.perf_counter() - start, self._clock())
             self._cache[part.name] = cached
         return cached
 

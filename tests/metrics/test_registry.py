@@ -17,7 +17,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from exporter.metrics.allocation import KernelText, allocation_families, kernel_families
 from exporter.metrics.exporter import build_info, watcher_families
-from exporter.metrics.registry import ExporterCollector, Part, render_families
+from exporter.metrics.registry import ExporterCollector, Part, SplicedText, gzip_member, render_families
 from exporter.metrics.status import Health
 from exporter.scratch.allocation import AllocationBook
 from exporter.scratch.reader import Scanner, ScanStats
@@ -160,8 +160,81 @@ def test_kernel_text_equals_prometheus_client_output(rows) -> None:
     book = AllocationBook(clock=lambda: 0.0)
     for kernel_id, device_id, slot, amount in rows:
         book.apply(kernel_id + '"\\\n', "/r", ResourceSpec((Allocation(slot, device_id + '"\\\n', amount),), (), None))
-    text = KernelText()
+    text, member = KernelText(), KernelText(gzipped=True)
     assert text.render(book.view()) == render_families(kernel_families(book.view()))
+    assert gzip.decompress(member.render(book.view())) == render_families(kernel_families(book.view()))
     if rows:  # and after a change, from the cache
         book.remove(rows[0][0] + '"\\\n')
         assert text.render(book.view()) == render_families(kernel_families(book.view()))
+        assert gzip.decompress(member.render(book.view())) == render_families(kernel_families(book.view()))
+
+
+class _Obj:
+    """An immutable value with its own identity: a new one stands for a changed key."""
+
+    def __init__(self, value: str) -> None:
+        self.value = value
+
+
+def _segments(key: str, obj: _Obj) -> tuple[bytes, ...]:
+    # Three sections of different lengths, the middle one often empty, non-ASCII included.
+    return (f"{key}={obj.value}".encode(), obj.value.encode() * (len(obj.value) % 2), f"[{key}\u00e9]".encode())
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.sampled_from([b"", b",\n"]), st.booleans(),
+       st.lists(st.lists(st.tuples(st.sampled_from("abcdefgh"), st.one_of(st.none(), st.text(max_size=4))), max_size=6),
+                max_size=8))
+def test_spliced_text_equals_encoding_everything_again(sep, gzipped, steps) -> None:
+    """Keys come, change (a new object, same value or not) and go between renders; each render
+    equals every key encoded afresh, in key order, whatever was copied from the last one (kept
+    plain or as a gzip member)."""
+    spliced, objects = SplicedText(3, sep, gzipped), {}
+    frame = (b"<", b"|", b"||", b">")
+    for n, step in enumerate([[], *steps]):
+        for key, value in step:
+            if value is None:
+                objects.pop(key, None)
+            else:
+                objects[key] = _Obj(value)
+        full = [_segments(k, objects[k]) for k in sorted(objects)]
+        expected = frame[0] + b"".join(sep.join(seg[s] for seg in full) + frame[s + 1] for s in range(3))
+        out = spliced.render(dict(objects), _segments, frame)
+        assert (gzip.decompress(out) if gzipped else out) == expected, n
+
+
+def test_spliced_text_encodes_only_changed_keys() -> None:
+    encoded = []
+
+    def encode(key: str, obj: _Obj) -> tuple[bytes]:
+        encoded.append(key)
+        return (obj.value.encode(),)
+
+    spliced = SplicedText(1, b",")
+    objects = {k: _Obj(k * 2) for k in "dcba"}
+    assert spliced.render(objects, encode, (b"[", b"]")) == b"[aa,bb,cc,dd]"
+    objects = {**objects, "b": _Obj("B"), "e": _Obj("E")}
+    del objects["c"]
+    encoded.clear()
+    assert spliced.render(objects, encode, (b"[", b"]")) == b"[aa,B,dd,E]"
+    assert sorted(encoded) == ["b", "e"]
+
+
+def _no_durations(text: bytes) -> bytes:
+    # Render times are measured, so they differ between two collectors.
+    return re.sub(rb"^gpu_alloc_collector_duration_seconds.*$", b"", text, flags=re.M)
+
+
+def test_a_gzipped_part_is_cached_as_its_gzip_member_and_decompressed_for_a_plain_scrape() -> None:
+    calls = []
+
+    def member() -> bytes:
+        calls.append(1)
+        return gzip_member(render_families([build_info("agent-1")]))
+
+    plain = ExporterCollector([Part("build", lambda: [build_info("agent-1")], lambda: 0)], clock=lambda: 1.7e9)
+    packed = ExporterCollector([Part("build", lambda: [build_info("agent-1")], lambda: 0, member, gzipped=True)],
+                               clock=lambda: 1.7e9)
+    assert _no_durations(packed.render()) == _no_durations(plain.render())
+    assert _no_durations(gzip.decompress(packed.render(gzipped=True))) == _no_durations(plain.render())
+    assert len(calls) == 1  # rendered once, served plain and gzip from the one member
