@@ -1,13 +1,17 @@
-"""The wiring's own behaviour: what it logs when kernels go stale (once, when it happens)."""
+"""The wiring's own behaviour: what it logs when kernels go stale (once, when it happens), and the
+opt-in identity from Docker labels beside recovery.json."""
 
 from __future__ import annotations
 
 import logging
+import time
 from decimal import Decimal
 from pathlib import Path
 
+from helpers import FakeDocker, container, wait_for
+
 from exporter.app import STALE_CHECK_SECONDS, Exporter
-from exporter.demo import write_kernel
+from exporter.demo import write_kernel, write_recovery
 from exporter.settings import Settings
 from exporter.telemetry.model import NullSource
 
@@ -39,5 +43,75 @@ def test_stale_kernels_leaving_the_figures_is_logged_once(tmp_path: Path, caplog
         now[0] += STALE_CHECK_SECONDS
         exporter._analyse()
         assert caplog.records[-1].getMessage() == "1 kernel(s) live again, their allocations counted again: k-gone (container-running)"
+    finally:
+        exporter.close()
+
+
+def test_docker_labels_name_kernels_without_recovery_json_and_recovery_json_wins(tmp_path: Path, caplog) -> None:
+    root = tmp_path / "scratches"
+    old, new = "3f6c2b1e-8a4d-4c2e-9b7a-1d2e3f4a5b6c", "9e1d7c3a-2b4f-4a6e-8d5c-7f0a1b2c3d4e"
+    label_sid, file_sid = "b0a4e7c2-5d1f-4e6a-8c3b-2f9d7e1a6b4c", "4c8e2a6f-1b3d-4f5a-9e7c-0d2b4f6a8c1e"
+    for kid in (old, new):
+        write_kernel(root, kid, {"cuda.shares": {"GPU-a": Decimal("0.5")}}, container_id=LIVE)
+    write_recovery(root, new, file_sid, None)  # a 25.18+ kernel: its file wins over its labels
+    docker = FakeDocker(tmp_path / "docker.sock", [container(old, label_sid), container(new, label_sid)])
+    settings = Settings.load({"scratch_roots": [str(root)], "telemetry_source": "none", "telemetry_interval": 3600,
+                              "identity_docker_socket": str(docker.path), "identity_docker_interval": 0.05})
+    exporter = Exporter(settings, telemetry=NullSource())
+    caplog.set_level(logging.INFO, logger="exporter.app")
+    exporter.start()
+    try:
+        kernels = exporter.book.view().kernels
+        assert kernels[old].identity.session_id == label_sid  # named before readiness
+        assert kernels[new].identity.session_id == file_sid
+        assert 'gpu_alloc_collector_success{collector="docker-labels"} 1.0' in exporter.collector.render().decode()
+        docker.close()  # the daemon goes away: a metric and one log line, the identities stay
+        wait_for(lambda: 'collector="docker-labels"} 0.0' in exporter.collector.render().decode(), timeout=5)
+        time.sleep(0.2)  # several more failed reads
+        assert exporter.book.view().kernels[old].identity.session_id == label_sid
+        said = [r.getMessage() for r in caplog.records if "Docker labels" in r.getMessage()]
+        # One line, whichever way the read in flight failed (refused, or cut mid-answer).
+        assert len(said) == 1 and said[0].startswith(f"kernel identity from Docker labels: {docker.path}: "), said
+        assert said[0].endswith("; kernels keep the identity they have")
+    finally:
+        exporter.close()
+        docker.close()
+
+
+def test_the_mmap_threshold_is_pinned_unless_the_operator_set_one(monkeypatch) -> None:
+    """glibc's raise of the threshold is turned off at start (freed expositions go back to the
+    system); an operator's MALLOC_MMAP_THRESHOLD_ wins; a C library without mallopt is left alone."""
+    from types import SimpleNamespace
+
+    import exporter.app as app
+
+    calls = []
+    libc = SimpleNamespace(mallopt=lambda param, value: calls.append((param, value)))
+    monkeypatch.setattr(app, "ctypes", SimpleNamespace(CDLL=lambda name: libc))
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    app._pin_mmap_threshold()
+    assert calls == [(-3, 128 * 1024)]  # M_MMAP_THRESHOLD at glibc's initial value
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    app._pin_mmap_threshold()
+    assert len(calls) == 1
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
+    monkeypatch.setattr(app, "ctypes", SimpleNamespace(CDLL=lambda name: SimpleNamespace()))
+    app._pin_mmap_threshold()  # no mallopt (macOS): nothing to do
+
+
+def test_a_docker_socket_missing_from_the_start_is_said_once(tmp_path: Path, caplog) -> None:
+    root = tmp_path / "scratches"
+    write_kernel(root, "k1", {"cuda.shares": {"GPU-a": Decimal("0.5")}}, container_id=LIVE)
+    settings = Settings.load({"scratch_roots": [str(root)], "telemetry_source": "none", "telemetry_interval": 3600,
+                              "identity_docker_socket": str(tmp_path / "absent.sock"), "identity_docker_interval": 0.02})
+    exporter = Exporter(settings, telemetry=NullSource())
+    caplog.set_level(logging.INFO, logger="exporter.app")
+    exporter.start()
+    try:
+        assert 'gpu_alloc_collector_success{collector="docker-labels"} 0.0' in exporter.collector.render().decode()
+        time.sleep(0.2)  # about ten more failed reads
+        said = [r.getMessage() for r in caplog.records if "Docker labels" in r.getMessage()]
+        assert said == [f"kernel identity from Docker labels: {tmp_path / 'absent.sock'}: no socket there; "
+                        "kernels keep the identity they have"]
     finally:
         exporter.close()
