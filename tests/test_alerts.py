@@ -25,6 +25,26 @@ def test_rule_files_pass_promtool_and_house_rules() -> None:
     assert mc.check_rule_files(mc.RULE_FILES) == []
 
 
+def test_a_rule_that_selects_a_scrape_job_by_name_is_reported(tmp_path: Path) -> None:
+    doc = yaml.safe_load(mc.RULE_FILES[1].read_text())
+    doc["groups"][0]["rules"][0]["expr"] = 'up{job=~".*gpu-alloc.*"} == 0'
+    rules = tmp_path / "gpu-alloc.rules.yml"
+    rules.write_text(yaml.safe_dump(doc, sort_keys=False))
+    name = doc["groups"][0]["rules"][0]["alert"]
+    assert f"alert {name}: selects the scrape job '.*gpu-alloc.*' by name (find targets by gpu_alloc_build_info)" in (
+        mc.check_rule_files([rules]))
+
+
+@pytest.mark.parametrize(("expr", "jobs"), [
+    ('up{job="gpu-alloc-exporter"}', ["gpu-alloc-exporter"]),
+    ("sum by (job) (x{job=~'$job'})", []),
+    ('x{job=~"$job", instance="a"} * on (job, instance) group_left () y{job != "node"}', ["node"]),
+    ('count by (job, instance) (gpu_alloc_build_info)', []),
+])
+def test_job_name_matchers(expr: str, jobs: list[str]) -> None:
+    assert mc.job_name_matchers(expr) == jobs
+
+
 @pytest.mark.parametrize("path", mc.test_files(), ids=lambda p: p.name)
 def test_promtool_unit_tests_pass(path: Path) -> None:
     assert mc.run_promtool_tests([path]) == []

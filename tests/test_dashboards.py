@@ -87,6 +87,7 @@ def test_the_linter_reports_a_broken_dashboard() -> None:
     panels[3]["targets"][0]["expr"] = 'sum(rate(gpu_alloc_watcher_events_total{job="$nojob"}[5m])'
     panels[4]["fieldConfig"]["defaults"].pop("unit")
     panels[5]["datasource"] = {"type": "prometheus", "uid": "P1809F7CD0C75ACF3"}
+    panels[6]["targets"][0]["expr"] = 'sum(up{job="gpu-alloc-exporter"})'
     problems = "\n".join(mc.lint_dashboard(doc, "broken.json"))
     assert f"panel '{panels[0]['title']}' wider than 24 columns" in problems
     assert f"panel id {panels[2]['id']} used by" in problems
@@ -94,6 +95,7 @@ def test_the_linter_reports_a_broken_dashboard() -> None:
     assert "unclosed left parenthesis" in problems
     assert f"panel '{panels[4]['title']}' has no unit" in problems
     assert f"panel '{panels[5]['title']}' does not use the ${{datasource}} variable" in problems
+    assert f"'{panels[6]['title']}' selects the scrape job 'gpu-alloc-exporter' by name (use the $job variable)" in problems
 
 
 def test_fixed_uids_and_variables() -> None:

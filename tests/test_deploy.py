@@ -22,6 +22,7 @@ from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
 from typing import Any
 
+import monitoring_checks as mc
 import pytest
 import yaml
 from packaging.requirements import Requirement
@@ -501,11 +502,10 @@ def test_scrape_objects_select_the_exporter():
     assert {e["port"] for e in podmonitor["spec"]["podMetricsEndpoints"]} <= container_ports
     assert pod_labels[podmonitor["spec"]["jobLabel"]] == JOB
 
-    # Whatever the alerts select by job must match the job these produce.
+    # The rules select no scrape job by name: they work under whatever job these produce.
     for group in the(objects, "PrometheusRule")["spec"]["groups"]:
         for rule in group.get("rules", []):
-            for op, value in re.findall(r'\bjob\s*(=~|=)\s*"([^"]*)"', str(rule["expr"])):
-                assert re.fullmatch(value, JOB) if op == "=~" else value == JOB, f"{rule}: selects job {value!r}"
+            assert mc.job_name_matchers(str(rule["expr"])) == [], f"{rule}: selects a job by name"
 
 
 def test_process_attribution_is_opt_in():

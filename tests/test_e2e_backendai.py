@@ -120,7 +120,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         exporter = Serve(port, work, scratch, devices)
         started.append(exporter)
         targets = [
-            {"job_name": "gpu-alloc-exporter", "static_configs": [{"targets": [f"127.0.0.1:{port}"], "labels": {"instance": INSTANCE}}]},
+            {"job_name": "any-scrape-job", "static_configs": [{"targets": [f"127.0.0.1:{port}"], "labels": {"instance": INSTANCE}}]},
             {"job_name": "backendai-agent", "static_configs": [{"targets": [f"127.0.0.1:{static.port}"]}]},
         ]
         prom = Prometheus(work, [], targets, "127.0.0.1:9", interval=f"{int(SCRAPE * 1000)}ms")

@@ -221,6 +221,8 @@ def lint_dashboard(doc: Mapping[str, Any], name: str = "") -> list[str]:
             if tds and tds.get("uid") != "${datasource}":
                 problems.append(f"{where}: panel '{title}' target {t.get('refId')} does not use ${{datasource}}")
     for q in dashboard_queries(doc):
+        for job in job_name_matchers(q.expr):
+            problems.append(f"{where}: '{q.panel}' selects the scrape job {job!r} by name (use the $job variable)")
         for var in variables_used(q.expr) - defined - set(BUILTIN_VARS):
             problems.append(f"{where}: undefined variable ${var} in '{q.panel}': {q.expr}")
         if q.ref != "var" and not q.table and not q.legend:
@@ -322,6 +324,17 @@ def rule_inputs(expr: str, rules: Rules) -> set[str]:
     return out
 
 
+# A label matcher on ``job`` with a literal value. Rules and dashboards must work under any scrape
+# job name: targets are found by gpu_alloc_build_info, and a dashboard's ``$job`` variable takes
+# its values from that series, so only a variable may stand there.
+_JOB_MATCHER = re.compile(r'\bjob\s*(?:=~|!~|!=|=)\s*"([^"]*)"')
+
+
+def job_name_matchers(expr: str) -> list[str]:
+    """The literal scrape-job names an expression selects by (``job="x"``, ``job=~"x.*"``)."""
+    return [value for value in _JOB_MATCHER.findall(expr) if not value.startswith("$")]
+
+
 def check_rule_files(paths: Iterable[Path]) -> list[str]:
     """``promtool check rules --lint-fatal`` plus house rules: severity, annotations, for:."""
     paths = list(paths)
@@ -342,6 +355,10 @@ def check_rule_files(paths: Iterable[Path]) -> list[str]:
     for name in rules.records:
         if name.count(":") != 2 or name.startswith(":"):
             problems.append(f"recording rule {name}: name is not level:metric:operations")
+    for kind, name, expr in [("alert", n, r["expr"]) for n, r in rules.alerts.items()] + [
+            ("recording rule", n, e) for n, e in rules.records.items()]:
+        for job in job_name_matchers(str(expr)):
+            problems.append(f"{kind} {name}: selects the scrape job {job!r} by name (find targets by gpu_alloc_build_info)")
     return problems
 
 
