@@ -5,7 +5,9 @@
 
 Stages:
 
-a. cold start: spawn -> first ``/-/ready`` 200 at 10,000 kernels, ``--starts`` times; the median.
+a. cold start at 10,000 kernels, ``--starts`` times, the package's bytecode compiled as an install
+   compiles it: spawn -> ``READY=1`` (sd_notify, sent as ``/-/ready`` turns 200), the median; and,
+   interleaved, spawn -> first ``/-/ready`` 200 polled every 2 ms (the polling slows the start).
 b. idle RSS at 10,000 kernels, 20 s after ready with a scrape every 2 s (what the deployments'
    memory limit must hold).
 c. ``/metrics`` p50/p99 at 10,000 kernels, quiet and while a second client fetches
@@ -43,13 +45,23 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def cold_starts(root: Path, runs: int) -> list[float]:
-    out = []
+def cold_starts(root: Path, runs: int) -> dict[str, list[float]]:
+    """Spawn to ready, learnt from READY=1 (no load on the exporter) and, interleaved, by polling
+    /-/ready every 2 ms (what the earlier figures used; the polling itself slows the start)."""
+    out: dict[str, list[float]] = {"notify": [], "poll": []}
     for _ in range(runs):
-        ex = ExporterProcess(root)
-        out.append(ex.ready_seconds)
-        ex.stop()
+        for via in out:
+            ex = ExporterProcess(root, ready_via=via)
+            out[via].append(ex.ready_seconds)
+            ex.stop()
     return out
+
+
+def compile_bytecode() -> None:
+    """Compile the package's bytecode, as ``pip install`` and the container image do: where
+    PYTHONDONTWRITEBYTECODE is set and the package is an editable checkout, every start would
+    otherwise compile ~70 modules from source (~0.1 s of each start)."""
+    subprocess.run([sys.executable, "-m", "compileall", "-q", str(REPO / "exporter")], check=True)
 
 
 def idle_rss(root: Path, seconds: float) -> float:
@@ -153,10 +165,12 @@ def main(argv: list[str] | None = None) -> int:
         root = tmp / "k10"
         log("building 10,000 kernels")
         build_tree(root, 10_000)
+        compile_bytecode()
         r: dict = {"load_before": os.getloadavg()[0]}
         log("cold starts")
         starts = cold_starts(root, args.starts)
-        r["cold_start_s"] = {"median": statistics.median(starts), "min": min(starts), "max": max(starts), "runs": starts}
+        r["cold_start_s"] = {via: {"median": statistics.median(v), "min": min(v), "max": max(v), "runs": v}
+                             for via, v in starts.items()}
         log("idle RSS")
         r["idle_rss_10k_mib"] = idle_rss(root, 20)
         log("/metrics under a /api/v1/state loop")
@@ -169,9 +183,11 @@ def main(argv: list[str] | None = None) -> int:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(r, indent=1))
     s = r["state_loop"]
+    cold = r["cold_start_s"]
     rows = [
-        (f"cold start to ready, 10,000 kernels (median of {args.starts})", f"{r['cold_start_s']['median']:.2f} s",
-         "≤ 1.0 s", r["cold_start_s"]["median"] <= 1.0),
+        (f"cold start to ready, 10,000 kernels (median of {args.starts}, READY=1)",
+         f"{cold['notify']['median']:.2f} s (min {cold['notify']['min']:.2f}; polled every 2 ms: {cold['poll']['median']:.2f} s)",
+         "≤ 1.0 s", cold["notify"]["median"] <= 1.0),
         ("idle RSS, 10,000 kernels", f"{r['idle_rss_10k_mib']:.1f} MiB", "≤ 60 MiB", r["idle_rss_10k_mib"] <= 60),
         ("/metrics p99 quiet / during a /api/v1/state loop", f"{s['quiet_p99_ms']:.1f} / {s['state_loop_p99_ms']:.1f} ms "
          f"({s['state_documents']} documents; node_exporter quiet p99 {s['node_exporter_quiet_p99_ms']:.1f} ms)",

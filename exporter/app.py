@@ -240,19 +240,28 @@ class Exporter:
     def start(self) -> None:
         _pin_mmap_threshold()  # before the scan: its big transient tables would raise the threshold too
         self.sampler = TelemetrySampler(self._source, self.settings.telemetry_interval, self.settings.telemetry_timeout, self.clock)
+        # The first scan and analysis build every kernel's objects, which all live on: the cyclic
+        # collector would walk them again and again as they pile up (at 10,000 kernels ~20% of
+        # the time to ready) and free nothing. They build no cycles worth collecting.
+        collecting = gc.isenabled()
+        gc.disable()
         try:
-            self.watcher.start()  # returns after the first full scan
-        except BaseException:
-            self.sampler.close()
-            raise
-        # The first sample runs alongside the scan; give it until its deadline so the first scrape
-        # after /-/ready already has telemetry (a hung NVML only delays readiness by the timeout).
-        self.sampler.wait_for_version(0, self.settings.telemetry_timeout)
-        self._analyse()
-        # Everything built so far (the kernels, the imports) lives as long as the process: keep it
-        # out of the collector's generations, so a full collection during a scrape does not walk
-        # 10,000 kernels' objects again (CPython's gc.freeze, meant for exactly this).
-        gc.freeze()
+            try:
+                self.watcher.start()  # returns after the first full scan
+            except BaseException:
+                self.sampler.close()
+                raise
+            # The first sample runs alongside the scan; give it until its deadline so the first scrape
+            # after /-/ready already has telemetry (a hung NVML only delays readiness by the timeout).
+            self.sampler.wait_for_version(0, self.settings.telemetry_timeout)
+            self._analyse()
+            # Everything built so far (the kernels, the imports) lives as long as the process: keep it
+            # out of the collector's generations, so a full collection during a scrape does not walk
+            # 10,000 kernels' objects again (CPython's gc.freeze, meant for exactly this).
+            gc.freeze()
+        finally:
+            if collecting:
+                gc.enable()
         self._analyser = threading.Thread(target=self._analysis_loop, name="analysis", daemon=True)
         self._analyser.start()
         if self._labels is not None:

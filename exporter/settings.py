@@ -28,8 +28,6 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
-import yaml
-
 __all__ = ["DEFAULT_PORT", "ENV_PREFIX", "ConfigError", "Setting", "Settings", "load_config_file", "parse_listen_address"]
 
 ENV_PREFIX = "GPU_ALLOC_EXPORTER_"
@@ -426,6 +424,8 @@ def load_config_file(path: Path) -> dict[str, Any]:
         text = path.read_text()
     except OSError as exc:
         raise ConfigError(f"{path}: {exc.strerror or exc}") from None
+    import yaml  # here: PyYAML costs ~20 ms of every start without a config file
+
     try:
         data = tomllib.loads(text) if path.suffix == ".toml" else yaml.safe_load(text)
     except tomllib.TOMLDecodeError as exc:  # "Expected '=' ... (at line 1, column 5)": no content

@@ -35,6 +35,7 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from exporter.app import Exporter
+from exporter.scratch import reader as reader_module
 from exporter.scratch.allocation import AllocationBook
 from exporter.scratch.reader import DEFAULT_MAX_BYTES
 from exporter.scratch.resources import Pending, ResourceParseError, ResourceSpec, parse_resource
@@ -193,6 +194,12 @@ def test_hostile_case(case: Path, tmp_path: Path, caplog: pytest.LogCaptureFixtu
             return real_open(path, flags, mode, dir_fd=dir_fd)
 
         monkeypatch.setattr(os, "open", open_as_unprivileged)
+        real_beneath = reader_module.open_beneath
+
+        def beneath_as_unprivileged(dir_fd, path, flags):  # the openat2 path to the same file
+            return -errno.EACCES if path == f"{kid}/config/resource.txt" else real_beneath(dir_fd, path, flags)
+
+        monkeypatch.setattr(reader_module, "open_beneath", beneath_as_unprivileged)
     exporter = Exporter(Settings(scratch_roots=[root], telemetry_source="none"))
     caplog.set_level(logging.INFO)
 

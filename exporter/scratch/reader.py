@@ -22,7 +22,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from exporter.scratch.allocation import AllocationBook, KernelState
+from exporter.scratch.allocation import AllocationBook, Kernel, KernelState
+from exporter.scratch.beneath import open_beneath
 from exporter.scratch.identity import RECOVERY_FILE, Identity, parse_recovery
 from exporter.scratch.resources import UNTERMINATED, Pending, ResourceParseError, parse_resource
 
@@ -85,7 +86,7 @@ def read_kernel(
         directory itself is gone.
     """
     if read is None:
-        read = _read_config(os.path.join(root, kernel_id), ((_RESOURCE, max_bytes),))[0]
+        read = _read_config(root, kernel_id, ((_RESOURCE, max_bytes),))[0]
     path = os.path.join(root, kernel_id, _RESOURCE_PATH)
     if not isinstance(read, tuple):
         if isinstance(read, FileNotFoundError):
@@ -124,7 +125,7 @@ def read_identity(
         out of the root, not a regular file). The caller keeps the identity it had.
     """
     if read is None:
-        read = _read_config(os.path.join(root, kernel_id), ((RECOVERY_FILE, max_bytes),))[0]
+        read = _read_config(root, kernel_id, ((RECOVERY_FILE, max_bytes),))[0]
     if not isinstance(read, tuple):
         return None
     try:
@@ -137,37 +138,79 @@ def read_identity(
 
 
 _NOFOLLOW_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_ROOT_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC  # the root itself may be a symlink
 # O_NONBLOCK: opening a FIFO planted in place of the file must not hang the scanner.
-_NOFOLLOW_FILE = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
+_FILE = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC
+_NOFOLLOW_FILE = _FILE | os.O_NOFOLLOW
+# The read of a file that is not there, shared: every kernel of an agent before 25.18 has no
+# recovery.json. Never raised, so it holds no traceback; readers only test its type.
+_MISSING = FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT))
 
 
-def _read_config(kdir: str, files: Sequence[tuple[str, int]]) -> list[_Read]:
-    """Read files of ``{kdir}/config/``, given as (name, most bytes), through one walk that opens
-    one component at a time without following symlinks (cheap opens instead of a realpath per file).
+def _read_config(root: str, kernel_id: str, files: Sequence[tuple[str, int]], root_fd: int | None = None) -> list[_Read]:
+    """Read files of ``{root}/{kernel_id}/config/``, given as (name, most bytes), refusing a
+    symlink in any component below the root (:func:`~exporter.scratch.beneath.open_beneath`).
 
     The agent never writes a symlink there. One that points out of the root would leak another
     file; one that points at another kernel's ``config/`` would count that kernel twice (and take
-    over its inotify watch, which is per inode). Either way the kernel is refused."""
+    over its inotify watch, which is per inode). Either way the kernel is refused.
+
+    :param root_fd: the root, already open (a scan opens it once for all its kernels).
+    """
+    if root_fd is None:
+        try:
+            root_fd = os.open(root, _ROOT_DIR)
+        except OSError as exc:
+            return [exc.with_traceback(None)] * len(files)
+        try:
+            return _read_below(root, kernel_id, files, root_fd)
+        finally:
+            os.close(root_fd)
+    return _read_below(root, kernel_id, files, root_fd)
+
+
+def _read_below(root: str, kernel_id: str, files: Sequence[tuple[str, int]], root_fd: int) -> list[_Read]:
+    out: list[_Read] = []
+    for name, max_bytes in files:
+        fd = open_beneath(root_fd, f"{kernel_id}/{_CONFIG}/{name}", _FILE)
+        if fd is None:
+            return _walk_config(root, kernel_id, files, root_fd)
+        if fd >= 0:
+            out.append(_read_open(fd, max_bytes))
+        elif fd == -errno.ENOENT:
+            out.append(_MISSING)
+        else:
+            out.append(_link_refusal(OSError(-fd, os.strerror(-fd)), os.path.join(root, kernel_id), name))
+    return out
+
+
+def _walk_config(root: str, kernel_id: str, files: Sequence[tuple[str, int]], root_fd: int) -> list[_Read]:
+    """:func:`_read_config` without openat2: one component at a time, never following a symlink."""
+    kdir = os.path.join(root, kernel_id)
     try:
-        kernel_fd = os.open(kdir, _NOFOLLOW_DIR)
+        kernel_fd = os.open(kernel_id, _NOFOLLOW_DIR, dir_fd=root_fd)
         try:
             config_fd = os.open(_CONFIG, _NOFOLLOW_DIR, dir_fd=kernel_fd)
         finally:
             os.close(kernel_fd)
     except OSError as exc:
         return [_link_refusal(exc, kdir)] * len(files)
+    out: list[_Read] = []
     try:
-        return [_read_bounded(config_fd, kdir, name, max_bytes) for name, max_bytes in files]
+        for name, max_bytes in files:
+            try:
+                fd = os.open(name, _NOFOLLOW_FILE, dir_fd=config_fd)
+            except OSError as exc:
+                out.append(_link_refusal(exc, kdir, name))
+            else:
+                out.append(_read_open(fd, max_bytes))
     finally:
         os.close(config_fd)
+    return out
 
 
-def _read_bounded(config_fd: int, kdir: str, name: str, max_bytes: int) -> _Read:
-    """``name`` in the open ``config/`` of ``kdir``: at most ``max_bytes``, a regular file only."""
-    try:
-        fd = os.open(name, _NOFOLLOW_FILE, dir_fd=config_fd)
-    except OSError as exc:
-        return _link_refusal(exc, kdir, name)
+def _read_open(fd: int, max_bytes: int) -> _Read:
+    """The open file ``fd`` (closed here): at most ``max_bytes``, a regular file only."""
     try:
         try:
             st = os.fstat(fd)
@@ -175,18 +218,20 @@ def _read_bounded(config_fd: int, kdir: str, name: str, max_bytes: int) -> _Read
                 return _Refused("not a regular file")
             if st.st_size > max_bytes:
                 return _Refused(f"file is {st.st_size} bytes, over the {max_bytes}-byte limit")
-            chunks, left = [], max_bytes + 1
-            while left > 0:
-                chunk = os.read(fd, min(left, 65536))
-                if not chunk:
-                    break
-                chunks.append(chunk)
-                left -= len(chunk)
+            # One read of the size fstat gave, plus a byte: exactly that many bytes is the whole
+            # file, without a second read to see its end (one system call fewer per file; a write
+            # after this read is a new IN_CLOSE_WRITE). A file that grew or shrank reads on.
+            data = os.read(fd, min(st.st_size, max_bytes) + 1)
+            if len(data) != st.st_size:
+                chunks, left = [data], max_bytes + 1 - len(data)
+                while left > 0 and (chunk := os.read(fd, min(left, 65536))):
+                    chunks.append(chunk)
+                    left -= len(chunk)
+                data = b"".join(chunks)
         finally:
             os.close(fd)
     except OSError as exc:
         return exc.with_traceback(None)
-    data = b"".join(chunks)
     if len(data) > max_bytes:  # grew while we read
         return _Refused(f"file is over the {max_bytes}-byte limit")
     return data, st
@@ -194,7 +239,7 @@ def _read_bounded(config_fd: int, kdir: str, name: str, max_bytes: int) -> _Read
 
 def _link_refusal(exc: OSError, kdir: str, name: str | None = None) -> OSError | _Refused:
     """``exc``, or a :class:`_Refused` when a symlink on the way to ``{kdir}/config/<name>`` caused it."""
-    if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+    if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.EXDEV):
         config = os.path.join(kdir, _CONFIG)
         for what, path in (("the kernel directory", kdir), ("config/", config), (name, name and os.path.join(config, name))):
             if path and os.path.islink(path):
@@ -255,9 +300,6 @@ class Scanner:
         # The inotify reader and the rescan worker both refresh; serialising read+apply keeps an
         # older read from landing after a newer one. Reentrant: a scan holds it over a batch.
         self._lock = threading.RLock()
-        # (root, kernel_id, file name) -> (the clock before the read, the file), for each file the
-        # forced scan holding the lock has just read, for the refresh it makes next.
-        self._ahead: dict[tuple[str, str, str], tuple[float, _Read]] = {}
 
     def refresh(self, root: str, kernel_id: str, force: bool = True, closed: bool = False) -> None:
         """Re-read one kernel (or forget it if its directory is gone).
@@ -268,29 +310,34 @@ class Scanner:
         """
         with self._lock:
             if force:
-                ahead = self._ahead.pop((root, kernel_id, _RESOURCE), None)
-                now, read = ahead or (self._clock(), self._read(root, kernel_id, _RESOURCE))
+                now, read = self._clock(), self._read(root, kernel_id, _RESOURCE)
                 sig = _read_signature(read, root, kernel_id, _RESOURCE)
             else:
                 sig = _signature(os.path.join(root, kernel_id, _RESOURCE_PATH))
                 if sig is not None and self._seen.get(kernel_id) == sig:
                     return
                 now, read = self._clock(), self._read(root, kernel_id, _RESOURCE)
-            self._seen[kernel_id] = sig
-            outcome = read_kernel(root, kernel_id, self.max_bytes, closed=closed, settled_before=now - self._settle, read=read)
-            if isinstance(outcome, Pending) and outcome.reason == UNTERMINATED:
-                # Unchanged, it is still read again on the next rescan: by then it has settled.
-                self._seen[kernel_id] = None
-            if outcome is None:
-                self._seen.pop(kernel_id, None)
-                self._seen_identity.pop(kernel_id, None)
-                if self.book.remove(kernel_id):
-                    log.debug("kernel %s removed", kernel_id)
-                return
-            changed = self.book.apply(kernel_id, root, outcome)
-        if changed is not None and changed.state is KernelState.INVALID:
-            kept = "keeping its last good allocation" if changed.spec else "no allocation counted"
-            log.warning("kernel %s: %s (%s)", kernel_id, changed.reason, kept)
+            changed = self._land(root, kernel_id, now, read, sig, closed)
+        _log_invalid(kernel_id, changed)
+
+    def _land(self, root: str, kernel_id: str, now: float, read: _Read, sig: _Signature | None, closed: bool) -> Kernel | None:
+        """Parse one read of a kernel's resource.txt into the book (the caller holds the lock).
+
+        :param now: unix time just before the read (a file older than the settle time is closed).
+        :returns: the kernel if it changed (or None, also when it is gone).
+        """
+        self._seen[kernel_id] = sig
+        outcome = read_kernel(root, kernel_id, self.max_bytes, closed=closed, settled_before=now - self._settle, read=read)
+        if isinstance(outcome, Pending) and outcome.reason == UNTERMINATED:
+            # Unchanged, it is still read again on the next rescan: by then it has settled.
+            self._seen[kernel_id] = None
+        if outcome is None:
+            self._seen.pop(kernel_id, None)
+            self._seen_identity.pop(kernel_id, None)
+            if self.book.remove(kernel_id):
+                log.debug("kernel %s removed", kernel_id)
+            return None
+        return self.book.apply(kernel_id, root, outcome)
 
     def refresh_identity(self, root: str, kernel_id: str, force: bool = True) -> None:
         """Re-read one kernel's recovery.json (never its resource.txt).
@@ -302,20 +349,24 @@ class Scanner:
         """
         with self._lock:
             if force:
-                ahead = self._ahead.pop((root, kernel_id, RECOVERY_FILE), None)
-                read = ahead[1] if ahead else self._read(root, kernel_id, RECOVERY_FILE)
+                read = self._read(root, kernel_id, RECOVERY_FILE)
                 sig = _read_signature(read, root, kernel_id, RECOVERY_FILE)
             else:
                 sig = _signature(os.path.join(root, kernel_id, _CONFIG, RECOVERY_FILE))
                 unchanged = sig is None or self._seen_identity.get(kernel_id) == sig
                 read = None if unchanged else self._read(root, kernel_id, RECOVERY_FILE)
-            if sig is None or read is None:
-                return  # no file, or unchanged since it last parsed
-            identity = read_identity(root, kernel_id, read=read)
-            # Remember the signature only of a file that parsed: a torn one is read again later.
-            self._seen_identity[kernel_id] = sig if identity is not None else None
-            if identity is not None:
-                self.book.set_identity(kernel_id, identity)
+            if read is not None:
+                self._land_identity(kernel_id, read, sig)
+
+    def _land_identity(self, kernel_id: str, read: _Read, sig: _Signature | None) -> None:
+        """Parse one read of a kernel's recovery.json into the book (the caller holds the lock)."""
+        if sig is None:
+            return  # no file
+        identity = read_identity("", kernel_id, read=read)
+        # Remember the signature only of a file that parsed: a torn one is read again later.
+        self._seen_identity[kernel_id] = sig if identity is not None else None
+        if identity is not None:
+            self.book.set_identity(kernel_id, identity)
 
     def apply_label_identity(self, kernel_id: str, identity: Identity) -> None:
         """Give a kernel the identity its container's Docker labels state (opt-in, agents before
@@ -326,7 +377,7 @@ class Scanner:
 
     def _read(self, root: str, kernel_id: str, name: str) -> _Read:
         """One of a kernel's config files (resource.txt, recovery.json), read but not parsed."""
-        return _read_config(os.path.join(root, kernel_id), self._files(name))[0]
+        return _read_config(root, kernel_id, self._files(name))[0]
 
     def _files(self, *names: str) -> tuple[tuple[str, int], ...]:
         """The config files to read, as :func:`_read_config` takes them."""
@@ -350,25 +401,48 @@ class Scanner:
             self._seen.pop(kernel_id, None)
             self._seen_identity.pop(kernel_id, None)
             self.book.remove(kernel_id)
-        kernels, both = list(seen), self._files(_RESOURCE, RECOVERY_FILE)
-        for start in range(0, len(kernels), _SCAN_BATCH):
-            batch = kernels[start : start + _SCAN_BATCH]
-            # Held over the batch: no event's refresh lands between a file's read and its parse.
-            with self._lock:
-                if force:
-                    now = self._clock()
-                    for kernel_id in batch:
-                        # Both files through one walk to config/.
-                        resource, identity = _read_config(os.path.join(root, kernel_id), both)
-                        self._ahead[root, kernel_id, _RESOURCE] = now, resource
-                        self._ahead[root, kernel_id, RECOVERY_FILE] = now, identity
-                try:
-                    for kernel_id in batch:
-                        self.refresh(root, kernel_id, force=force)
-                        self.refresh_identity(root, kernel_id, force=force)
-                finally:
-                    self._ahead.clear()
+        kernels = list(seen)
+        if force:
+            self._read_all(root, kernels)
+        else:
+            for kernel_id in kernels:
+                self.refresh(root, kernel_id, force=False)
+                self.refresh_identity(root, kernel_id, force=False)
         return ScanStats(root, len(seen), self._monotonic() - started, error is None, error)
+
+
+    def _read_all(self, root: str, kernels: Sequence[str]) -> None:
+        """Read and land every kernel's two files (a forced scan)."""
+        both = self._files(_RESOURCE, RECOVERY_FILE)
+        try:
+            root_fd = os.open(root, _ROOT_DIR)  # once for every kernel's reads
+        except OSError:
+            root_fd = None  # each read opens it again and says why it cannot
+        try:
+            for start in range(0, len(kernels), _SCAN_BATCH):
+                batch = kernels[start : start + _SCAN_BATCH]
+                # Held over the batch: no event's refresh lands between a file's read and its parse.
+                with self._lock:
+                    now = self._clock()
+                    reads = [(kernel_id, *_read_config(root, kernel_id, both, root_fd)) for kernel_id in batch]
+                    changed = []
+                    for kernel_id, resource, identity in reads:
+                        sig = _read_signature(resource, root, kernel_id, _RESOURCE)
+                        changed.append((kernel_id, self._land(root, kernel_id, now, resource, sig, False)))
+                        if identity is not _MISSING:
+                            self._land_identity(kernel_id, identity, _read_signature(identity, root, kernel_id, RECOVERY_FILE))
+                for kernel_id, kernel in changed:  # logged outside the lock
+                    _log_invalid(kernel_id, kernel)
+        finally:
+            if root_fd is not None:
+                os.close(root_fd)
+
+
+def _log_invalid(kernel_id: str, changed: Kernel | None) -> None:
+    """Say once, when a kernel's file turns invalid, why (the file, line and reason, never its text)."""
+    if changed is not None and changed.state is KernelState.INVALID:
+        kept = "keeping its last good allocation" if changed.spec else "no allocation counted"
+        log.warning("kernel %s: %s (%s)", kernel_id, changed.reason, kept)
 
 
 def _read_signature(read: _Read, root: str, kernel_id: str, name: str) -> _Signature | None:

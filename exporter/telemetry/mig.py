@@ -22,8 +22,6 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-import yaml
-
 __all__ = [
     "BUILTIN_TABLES",
     "GpuInstance",
@@ -231,6 +229,8 @@ def parse_hami_geometries(text: str) -> list[HamiModel]:
     :raises ValueError: when the text is not that shape; the message names the place (entry and
         geometry numbers, from 1), never the file's content.
     """
+    import yaml  # here: PyYAML costs ~20 ms of every start without a HAMi config
+
     try:
         doc = yaml.safe_load(text)
     except yaml.YAMLError as exc:

@@ -64,8 +64,6 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
-import yaml
-
 __all__ = [
     "ALLOWED_HEADERS",
     "Authenticator",
@@ -177,26 +175,31 @@ class WebConfig:
         return tuple(p for p in (self.path, t.cert_file, t.key_file, t.client_ca_file) if p)
 
 
-class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader that rejects duplicate keys, as Go's yaml.UnmarshalStrict does."""
+@functools.cache
+def _strict_loader() -> type:
+    """A SafeLoader that rejects duplicate keys, as Go's yaml.UnmarshalStrict does. Built on first
+    use: PyYAML costs ~20 ms of every start that has no web config file."""
+    import yaml
 
+    class StrictLoader(yaml.SafeLoader):
+        pass
 
-def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
-    loader.flatten_mapping(node)
-    out: dict = {}
-    for key_node, value_node in node.value:
-        key = loader.construct_object(key_node, deep=True)
-        try:
-            hash(key)
-        except TypeError:
-            raise WebConfigError(f"line {key_node.start_mark.line + 1}: a mapping key must be a scalar") from None
-        if key in out:
-            raise WebConfigError(f"line {key_node.start_mark.line + 1}: key {key!r} already set in map")
-        out[key] = loader.construct_object(value_node, deep=True)
-    return out
+    def construct_mapping(loader: StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+        loader.flatten_mapping(node)
+        out: dict = {}
+        for key_node, value_node in node.value:
+            key = loader.construct_object(key_node, deep=True)
+            try:
+                hash(key)
+            except TypeError:
+                raise WebConfigError(f"line {key_node.start_mark.line + 1}: a mapping key must be a scalar") from None
+            if key in out:
+                raise WebConfigError(f"line {key_node.start_mark.line + 1}: key {key!r} already set in map")
+            out[key] = loader.construct_object(value_node, deep=True)
+        return out
 
-
-_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+    StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, construct_mapping)
+    return StrictLoader
 
 
 def load_web_config(path: str | os.PathLike[str]) -> WebConfig:
@@ -220,9 +223,11 @@ def _context_for(config: WebConfig) -> ssl.SSLContext | None:
 
 def parse_web_config(text: str, path: str | None = None) -> WebConfig:
     """Validate the YAML text of a web config (files it names are not read here)."""
+    import yaml
+
     where = f"web config {path}" if path else "web config"
     try:
-        doc = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+        doc = yaml.load(text, Loader=_strict_loader())  # noqa: S506 - a SafeLoader subclass
     except WebConfigError as exc:
         raise WebConfigError(f"{where}: {exc}") from None
     except yaml.YAMLError as exc:

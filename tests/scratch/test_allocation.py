@@ -242,8 +242,8 @@ def test_a_forced_scan_signs_files_by_their_reads_and_a_rescan_reads_only_change
     kids = [_uuid_kernel(tmp_path, i, "0.25", identity=i < 2) for i in range(3)]
     reads, stats = [], []
     real_read, real_stat = reader_module._read_config, os.stat
-    monkeypatch.setattr(reader_module, "_read_config", lambda kdir, files: reads.append(
-        (os.path.basename(kdir), tuple(name for name, _ in files))) or real_read(kdir, files))
+    monkeypatch.setattr(reader_module, "_read_config", lambda root, kid, files, root_fd=None: reads.append(
+        (kid, tuple(name for name, _ in files))) or real_read(root, kid, files, root_fd))
     monkeypatch.setattr(os, "stat", lambda path, *a, **kw: stats.append(os.fspath(path)) or real_stat(path, *a, **kw))
     book = AllocationBook()
     scanner = Scanner(book)
@@ -274,7 +274,7 @@ def test_a_file_that_cannot_be_read_is_not_read_again_by_a_rescan(tmp_path: Path
     (tmp_path / "root/k1/config/resource.txt").symlink_to(tmp_path / "outside.txt")
     reads = []
     real_read = reader_module._read_config
-    monkeypatch.setattr(reader_module, "_read_config", lambda kdir, files: reads.append(kdir) or real_read(kdir, files))
+    monkeypatch.setattr(reader_module, "_read_config", lambda root, kid, files, root_fd=None: reads.append(kid) or real_read(root, kid, files, root_fd))
     book = AllocationBook()
     scanner = Scanner(book)
     scanner.scan(str(tmp_path / "root"))
@@ -295,15 +295,15 @@ def test_an_event_during_a_scan_never_lands_before_the_scans_older_read(tmp_path
     class RewriteDuringTheBatch(Scanner):
         event: threading.Thread | None = None
 
-        def refresh(self, root: str, kernel_id: str, force: bool = True, closed: bool = False) -> None:
+        def _land(self, root: str, kernel_id: str, *args):
             if self.event is None:
-                other = next(k for k in kids if k != kernel_id)  # not refreshed yet: this is the first
+                other = next(k for k in kids if k != kernel_id)  # not landed yet: this is the first
                 path = tmp_path / other / "config/resource.txt"
                 path.write_text(path.read_text().replace("0.25", "0.5"))
-                self.event = threading.Thread(target=super().refresh, args=(root, other, True, True), name="event")
+                self.event = threading.Thread(target=self.refresh, args=(root, other, True, True), name="event")
                 self.event.start()
                 self.event.join(0.2)  # it waits for the batch (it would be done by now otherwise)
-            super().refresh(root, kernel_id, force, closed)
+            return super()._land(root, kernel_id, *args)
 
     applied = []  # (thread, the amount applied)
     real_apply = book.apply
@@ -323,10 +323,10 @@ def test_a_scan_that_fails_mid_batch_leaves_no_read_behind(tmp_path: Path) -> No
     class FailsAtOnce(Scanner):
         fail = True
 
-        def refresh(self, root: str, kernel_id: str, force: bool = True, closed: bool = False) -> None:
+        def _land(self, *args):
             if self.fail:
                 raise RuntimeError("boom")
-            super().refresh(root, kernel_id, force, closed)
+            return super()._land(*args)
 
     scanner = FailsAtOnce(book)
     with pytest.raises(RuntimeError):
