@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from decimal import Decimal
+from typing import TYPE_CHECKING
 
 from exporter.analysis.accounting import Accountant
 from exporter.analysis.agents import (
@@ -50,8 +51,6 @@ from exporter.analysis.node import (
 )
 from exporter.analysis.placement import NoFragRule
 from exporter.analysis.placement import Request as PlacementRequest
-from exporter.metrics.parts import SeriesOptions, exporter_parts
-from exporter.metrics.registry import ExporterCollector
 from exporter.metrics.status import Health
 from exporter.scratch.allocation import AllocationBook, AllocationView
 from exporter.scratch.containers import ContainerListError, DockerLabels
@@ -67,6 +66,9 @@ from exporter.telemetry.sources import open_source
 from exporter.units import bounded, parse_decimal
 from exporter.web.routes import Routes
 from exporter.web.server import Request, Response
+
+if TYPE_CHECKING:
+    from exporter.metrics.registry import ExporterCollector
 
 __all__ = ["Exporter", "agent_layout", "headroom_params"]
 
@@ -192,6 +194,7 @@ class Exporter:
         self.settings = settings
         self.layout = layout or agent_layout(settings, None, None, socket.gethostname())
         self._agent_views: tuple[int, dict[str, AllocationView]] = (-1, {})
+        self._node_state: tuple[AllocationView, TelemetrySnapshot, Mapping, NodeState] | None = None
         self.clock = clock
         self.params = headroom_params(settings)
         # Opened now (the mock file is read, NVML probed for ``auto``) so that the telemetry part's
@@ -226,14 +229,33 @@ class Exporter:
         self._labels_health = Health(False)
         self._labels_failing = False
         self._labeller: threading.Thread | None = None
-        self.collector = ExporterCollector(
-            exporter_parts(self, telemetry_source=self._source.name, agent_id=self.layout.default_agent_id,
-                           series=SeriesOptions(settings.attribution_process_detail, settings.attribution_kernel_series,
-                                                settings.attribution_breach_series, settings.telemetry_throttle_reasons),
-                           layout=self.layout, docker_labels=(lambda: self._labels_health) if self._labels else None),
-            clock,
-        )
+        self._collector: ExporterCollector | None = None
+        self._collector_lock = threading.Lock()
         self.routes = Routes(self, list(self.layout.roots), settings.alloc_map_format)
+
+    @property
+    def collector(self) -> ExporterCollector:
+        """The metrics collector, built on first use: the analysis thread builds it right after
+        readiness, so prometheus_client and the metric modules (~60 ms of imports) are part of
+        neither the start nor the first scrape."""
+        collector = self._collector
+        if collector is None:
+            with self._collector_lock:
+                if self._collector is None:
+                    from exporter.metrics.parts import SeriesOptions, exporter_parts
+                    from exporter.metrics.registry import ExporterCollector
+
+                    s = self.settings
+                    series = SeriesOptions(s.attribution_process_detail, s.attribution_kernel_series,
+                                           s.attribution_breach_series, s.telemetry_throttle_reasons)
+                    labels = (lambda: self._labels_health) if self._labels else None
+                    self._collector = ExporterCollector(
+                        exporter_parts(self, telemetry_source=self._source.name, agent_id=self.layout.default_agent_id,
+                                       series=series, layout=self.layout, docker_labels=labels),
+                        self.clock,
+                    )
+                collector = self._collector
+        return collector
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -309,6 +331,7 @@ class Exporter:
     # -- analysis: stale kernels and process attribution, off the scrape path --------------------
 
     def _analysis_loop(self) -> None:
+        self.collector  # noqa: B018 - built here, after readiness, rather than by the first scrape
         seen = self.sampler.version
         while not self._stop.is_set():
             self.sampler.wait_for_version(seen, self.settings.telemetry_interval)
@@ -399,9 +422,19 @@ class Exporter:
         return ratio_capacities(live_state(view, snapshot, inventory, self.params, self.analysis.liveness), inventory)
 
     def node_state(self) -> NodeState:
-        """Devices with capacity and allocation now: what ``simulate`` places requests on."""
-        view, snapshot = self.book.view(), self.snapshot()
-        return live_state(view, snapshot, self.resolver(view, snapshot), self.params, self.analysis.liveness)
+        """Devices with capacity and allocation now: what ``simulate`` places requests on.
+
+        Built once per change of its inputs (immutable objects, compared by identity): at 10,000
+        kernels a build holds the GIL ~8 ms, which a client polling /api/v1/state would otherwise
+        spend on every request, beside the serving loop.
+        """
+        view, snapshot, liveness = self.book.view(), self.snapshot(), self.analysis.liveness
+        cached = self._node_state
+        if cached is not None and cached[0] is view and cached[1] is snapshot and cached[2] is liveness:
+            return cached[3]
+        state = live_state(view, snapshot, self.resolver(view, snapshot), self.params, liveness)
+        self._node_state = (view, snapshot, liveness, state)  # one tuple swap, as agent_views does
+        return state
 
     def agent_views(self) -> dict[str, AllocationView]:
         """Each host agent's own kernels and alloc map (:func:`agent_views`), once per book version."""

@@ -16,7 +16,7 @@ from decimal import Decimal
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
-from exporter.metrics.registry import SplicedText
+from exporter.metrics.text import SplicedText
 from exporter.scratch.allocation import AllocationView, Kernel, KernelState, is_accelerator_slot
 from exporter.scratch.identity import Identity
 from exporter.scratch.resources import SlotKind, slot_kind

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from prometheus_client.core import GaugeMetricFamily, Metric
+if TYPE_CHECKING:  # Health is imported by the app before readiness; prometheus_client is not
+    from prometheus_client.core import Metric
 
 __all__ = ["Health", "PartStatus", "status_families"]
 
@@ -34,6 +36,8 @@ class PartStatus:
 def status_families(rows: Sequence[PartStatus]) -> list[Metric]:
     """The three status families, one sample per part and family (a value that is not known yet is
     left out rather than exported as 0)."""
+    from prometheus_client.core import GaugeMetricFamily
+
     success = GaugeMetricFamily("gpu_alloc_collector_success", "1 if the collector's last run succeeded", labels=["collector"])
     duration = GaugeMetricFamily("gpu_alloc_collector_duration_seconds", "Duration of the collector's last run", labels=["collector"])
     last = GaugeMetricFamily(

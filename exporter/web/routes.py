@@ -13,7 +13,7 @@ from exporter.analysis.agents import AgentLayout
 from exporter.analysis.node import NodeState
 from exporter.analysis.placement import Policy
 from exporter.analysis.simulate import parse_request, result_document, simulate
-from exporter.metrics.registry import SplicedText
+from exporter.metrics.text import SplicedText
 from exporter.scratch.allocation import ALLOC_MAP_FORMATS, AllocationBook, AllocationView, Kernel
 from exporter.scratch.watcher import ScratchWatcher
 from exporter.web.server import Request, Response, Route, Router
@@ -150,7 +150,7 @@ class StateText:
     The text is cached against the view's version and the node state, so a client polling
     ``/api/v1/state`` costs nothing until something moves; each kernel's entry is encoded again
     only when its immutable :class:`~exporter.scratch.allocation.Kernel` object changed, the
-    others copied from the last text (:class:`~exporter.metrics.registry.SplicedText`), so a
+    others copied from the last text (:class:`~exporter.metrics.text.SplicedText`), so a
     change re-encodes one kernel, not 10,000 (~360 ms). The bytes equal
     ``json.dumps(state_document(...), indent=1)`` (a test holds them together).
     """

@@ -17,8 +17,9 @@ from prometheus_client.core import GaugeMetricFamily
 
 from exporter.metrics.allocation import KernelText, allocation_families, kernel_families
 from exporter.metrics.exporter import build_info, watcher_families
-from exporter.metrics.registry import ExporterCollector, Part, SplicedText, gzip_member, render_families
+from exporter.metrics.registry import ExporterCollector, Part, render_families
 from exporter.metrics.status import Health
+from exporter.metrics.text import SplicedText, gzip_member
 from exporter.scratch.allocation import AllocationBook
 from exporter.scratch.reader import Scanner, ScanStats
 from exporter.scratch.watcher import WatcherStatus
