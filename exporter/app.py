@@ -460,6 +460,11 @@ class Exporter:
         """The current exposition; each part is rendered once per change of what it shows."""
         return self.collector.render(gzipped)
 
+    def render_cached(self, gzipped: bool = False) -> bytes | None:
+        """The current exposition if nothing has to be rendered for it, else None (never waits)."""
+        collector = self._collector
+        return collector.render_cached(gzipped) if collector is not None else None
+
     def handle(self, request: Request) -> Response:
         """Answer one HTTP request (the server calls this; see :class:`~exporter.web.routes.Routes`)."""
         return self.routes.handle(request)

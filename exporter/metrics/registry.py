@@ -134,27 +134,47 @@ class ExporterCollector(Collector):
     def render(self, gzipped: bool = False) -> bytes:
         """The exposition in text format 0.0.4 (gzip members concatenated when ``gzipped``)."""
         with self._lock:
-            body, rows = [], []
+            return self._render(gzipped)
+
+    def render_cached(self, gzipped: bool = False) -> bytes | None:
+        """:meth:`render`'s bytes when every part's text in that encoding is current (~1 ms: a
+        join and the status families), else None, never waiting: None also while a render runs.
+        What the serving loop calls; a None sends the request to a thread that renders."""
+        if not self._lock.acquire(blocking=False):
+            return None
+        try:
             for part in self._parts:
-                start = time.perf_counter()
-                try:
-                    cached = self._current(part)
-                    if gzipped and cached.gzipped is None:
-                        cached = _Cached(cached.token, cached.text, gzip_member(cached.text),
-                                         cached.duration_seconds, cached.rendered_at)
-                        self._cache[part.name] = cached
-                    health = self._health(part)
-                except Exception:
-                    self._cache.pop(part.name, None)  # never serve a failed part's old series
-                    self._failed(part)
-                    rows.append(self._row(part, False, time.perf_counter() - start, None, None))
-                    continue
-                body.append(cached.gzipped if gzipped else cached.plain())
-                rows.append(self._row(part, health.success, cached.duration_seconds, health, cached.rendered_at))
-            # The status families change every render and are tiny: rendered each time.
-            tail = render_families(status_families(rows))
-            body.append(gzip_member(tail) if gzipped else tail)
-            return b"".join(body)
+                cached = self._cache.get(part.name)
+                if cached is None or (cached.gzipped if gzipped else cached.text) is None or cached.token != part.token():
+                    return None
+            return self._render(gzipped)
+        except Exception:  # a part's token failed: the render records it as the part's failure
+            return None
+        finally:
+            self._lock.release()
+
+    def _render(self, gzipped: bool) -> bytes:
+        body, rows = [], []
+        for part in self._parts:
+            start = time.perf_counter()
+            try:
+                cached = self._current(part)
+                if gzipped and cached.gzipped is None:
+                    cached = _Cached(cached.token, cached.text, gzip_member(cached.text),
+                                     cached.duration_seconds, cached.rendered_at)
+                    self._cache[part.name] = cached
+                health = self._health(part)
+            except Exception:
+                self._cache.pop(part.name, None)  # never serve a failed part's old series
+                self._failed(part)
+                rows.append(self._row(part, False, time.perf_counter() - start, None, None))
+                continue
+            body.append(cached.gzipped if gzipped else cached.plain())
+            rows.append(self._row(part, health.success, cached.duration_seconds, health, cached.rendered_at))
+        # The status families change every render and are tiny: rendered each time.
+        tail = render_families(status_families(rows))
+        body.append(gzip_member(tail) if gzipped else tail)
+        return b"".join(body)
 
     def _current(self, part: Part) -> _Cached:
         token = part.token()

@@ -38,6 +38,8 @@ class ServedNode(Protocol):
 
     def render(self, gzipped: bool = False) -> bytes: ...
 
+    def render_cached(self, gzipped: bool = False) -> bytes | None: ...
+
     def node_state(self) -> NodeState: ...
 
     def ratio_capacities(self) -> dict[tuple[str, str], Decimal]: ...
@@ -61,7 +63,7 @@ class Routes(Router):
         self._state_text = StateText()
         super().__init__({
             "/": Route(self._landing),
-            "/metrics": Route(self._metrics),
+            "/metrics": Route(self._metrics, cached=self._metrics_cached),
             "/-/healthy": Route(self._healthy),
             "/-/ready": Route(self._ready_route),
             "/api/v1/alloc-map": Route(self._alloc_map, offload=True),
@@ -83,8 +85,12 @@ class Routes(Router):
 
     def _metrics(self, request: Request) -> Response:
         gz = "gzip" in request.headers.get("accept-encoding", "")
-        body = self._node.render(gzipped=gz)
-        return Response(200, body, TEXT_FORMAT, {"Content-Encoding": "gzip"} if gz else {})
+        return _exposition(self._node.render(gzipped=gz), gz)
+
+    def _metrics_cached(self, request: Request) -> Response | None:
+        gz = "gzip" in request.headers.get("accept-encoding", "")
+        body = self._node.render_cached(gzipped=gz)
+        return _exposition(body, gz) if body is not None else None
 
     def _healthy(self, _: Request) -> Response:
         status = self._node.watcher.status()
@@ -171,6 +177,10 @@ class StateText:
             text = self._entries.render(view.kernels, _entry, [f.encode() for f in frame])
             self._last = (key, text)
             return text
+
+
+def _exposition(body: bytes, gzipped: bool) -> Response:
+    return Response(200, body, TEXT_FORMAT, {"Content-Encoding": "gzip"} if gzipped else {})
 
 
 def _entry(_: str, kernel: Kernel) -> tuple[bytes]:

@@ -24,8 +24,10 @@ or a budget for response bytes held for clients that do not read. Here:
 * routes marked ``offload=True`` (JSON documents, what-if placement) run on a small worker pool
   with a cap on requests in flight; over the cap they get 503 with ``Retry-After`` at once. Their
   response bodies count against ``max_held_bytes`` until written; over it, new offloaded requests
-  get 503 too. Everything else (``/metrics`` serves bytes rendered in advance) runs on the loop
-  and is never queued behind an offloaded request;
+  get 503 too. ``/metrics`` is answered on the loop from bytes already rendered; after a change
+  it renders on a thread of its own (``Route.cached``), so a render never holds up the loop (other
+  scrapes, health checks) and is never queued behind, or refused for, an offloaded request.
+  Everything else runs on the loop;
 * bcrypt for basic auth runs in one worker thread, fairly across client addresses
   (:class:`exporter.web.webconfig.Authenticator`); verified credentials are cached and never wait.
 """
@@ -89,10 +91,17 @@ Handler = Callable[[Request], Response]
 @dataclass(frozen=True)
 class Route:
     """A handler and where it runs: on the serving loop (quick: it only reads published bytes) or,
-    with ``offload=True``, on the worker pool (it builds a document and may take long)."""
+    with ``offload=True``, on the worker pool (it builds a document and may take long).
+
+    With ``cached``, the loop first asks it for an answer from bytes already rendered; when it has
+    none (something changed since the last render, or a render is running), ``handler`` renders
+    on the server's own render thread: never on the loop, never queued behind the worker pool's
+    documents, never refused for their sake (``/metrics``).
+    """
 
     handler: Handler
     offload: bool = False
+    cached: Callable[[Request], Response | None] | None = None
 
 
 class Router:
@@ -199,6 +208,7 @@ class HttpServer:
         self._stopped: asyncio.Event | None = None
         self._warned_tls_off = False
         self._pool: ThreadPoolExecutor | None = None
+        self._renderer: ThreadPoolExecutor | None = None  # one thread: renders for Route.cached
         self._offloaded = 0  # offloaded requests running or queued
         self._held = 0  # bytes of offloaded response bodies not yet written
         # Counters for tests and the exporter's own metrics.
@@ -249,9 +259,10 @@ class HttpServer:
         if self._thread is not None:
             self._thread.join()
         self._thread = None
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
+        for pool in (self._pool, self._renderer):
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
+        self._pool = self._renderer = None
         if self._sock is not None:
             self._sock.close()
         if self._web is not None:
@@ -596,6 +607,13 @@ class HttpServer:
         if self._router is None:
             return _run_handler(self._handler, request)
         route = self._router.resolve(request)
+        if route.cached is not None:
+            response = _run_handler(route.cached, request)
+            if response is not None:
+                return response
+            if self._renderer is None:
+                self._renderer = ThreadPoolExecutor(1, thread_name_prefix="http-render")
+            return await asyncio.get_running_loop().run_in_executor(self._renderer, _run_handler, route.handler, request)
         if not route.offload:
             return _run_handler(route.handler, request)
         limits = self.limits

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import gzip
 import http.client
 import socket
 import subprocess
@@ -17,11 +18,13 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from decimal import Decimal
 from pathlib import Path
 
 import pytest
 from helpers import NODE_EXPORTER, node_exporter, wait_for
 
+from exporter.demo import write_kernel
 from exporter.web.server import HttpServer, Limits, Request, Response, Route, Router
 from exporter.web.webconfig import WebConfigFile
 
@@ -74,6 +77,16 @@ class SlowDocument:
             self.running -= 1
 
 
+@contextlib.contextmanager
+def _releasing(*slow: SlowDocument) -> Iterator[None]:
+    """Let each of ``slow`` finish however the test ends (nothing waits out its 30 s)."""
+    try:
+        yield
+    finally:
+        for document in slow:
+            document.release.set()
+
+
 # -- one slow request must not freeze the process --------------------------------------------------
 
 
@@ -98,6 +111,38 @@ def test_metrics_is_answered_while_an_offloaded_route_runs() -> None:
     assert server.rejected_total[503] == 1
 
 
+def test_a_render_runs_off_the_loop_and_cached_bytes_are_served_on_it() -> None:
+    """/metrics from bytes already rendered is answered on the loop; a render (after a change)
+    runs on the render thread, so health checks, and a scrape of bytes that are current, are
+    answered while it runs, and it is never refused however busy the document routes are."""
+    render = SlowDocument()
+    current: list[bytes | None] = [None]  # what the node has rendered and is still current
+
+    def cached(_: Request) -> Response | None:
+        return Response(200, current[0]) if current[0] is not None else None
+
+    document = SlowDocument()
+    router = Router({"/metrics": Route(render, cached=cached), "/-/healthy": Route(lambda _: Response(200, b"OK\n")),
+                     "/slow": Route(document, offload=True)})
+    with serving(router, Limits(max_offloaded=1)) as server, ThreadPoolExecutor(4) as pool, _releasing(render, document):
+        first = pool.submit(get, server.port, "/metrics")
+        assert render.started.wait(10)  # not current: rendering, on the render thread
+        for _ in range(20):
+            assert get(server.port, "/-/healthy")[0] == 200
+        current[0] = METRICS  # another scrape meanwhile finds bytes that are current: answered at once
+        status, _, body = get(server.port, "/metrics")
+        assert (status, body) == (200, METRICS)
+        pool.submit(get, server.port, "/slow")
+        wait_for(lambda: server._offloaded == 1)  # the document routes are full...
+        current[0] = None
+        second = pool.submit(get, server.port, "/metrics")  # ...a render is queued, not refused
+        assert render.running == 1 and not first.done() and not second.done()
+        render.release.set()
+        assert first.result()[0] == second.result()[0] == 200
+        assert [t.name for t in threading.enumerate() if t.name.startswith("http-render")] == ["http-render_0"]
+    assert 503 not in server.rejected_total
+
+
 def test_the_exporter_marks_its_document_routes_for_offloading(tmp_path: Path) -> None:
     from exporter.app import Exporter
     from exporter.settings import Settings
@@ -105,7 +150,19 @@ def test_the_exporter_marks_its_document_routes_for_offloading(tmp_path: Path) -
     exporter = Exporter(Settings(scratch_roots=[tmp_path], telemetry_source="none"))
     routes = exporter.routes.routes
     assert {p for p, r in routes.items() if r.offload} == {"/api/v1/state", "/api/v1/alloc-map", "/api/v1/simulate"}
-    assert not routes["/metrics"].offload
+    assert not routes["/metrics"].offload and routes["/metrics"].cached is not None
+    # Nothing rendered yet: the loop hands the scrape to the render thread.
+    gz = Request("GET", "/metrics", {}, {"accept-encoding": "gzip"})
+    assert routes["/metrics"].cached(gz) is None
+    first = exporter.routes(gz).body
+    again = routes["/metrics"].cached(gz)  # rendered and unchanged: served from the loop
+    assert again is not None and again.status == 200 and again.headers == {"Content-Encoding": "gzip"}
+    status_families = b"# HELP gpu_alloc_collector_"
+    assert gzip.decompress(again.body).split(status_families)[0] == gzip.decompress(first).split(status_families)[0]
+    assert routes["/metrics"].cached(Request("GET", "/metrics", {}, {})) is None  # plain: not rendered yet
+    write_kernel(tmp_path, "k1", {"cuda.shares": {"GPU-a": Decimal("0.5")}})
+    exporter.scanner.refresh(str(tmp_path), "k1")
+    assert routes["/metrics"].cached(gz) is None  # a kernel changed: rendered off the loop
 
 
 @pytest.mark.parametrize(("query", "parameter"), [
