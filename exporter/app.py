@@ -331,7 +331,10 @@ class Exporter:
     # -- analysis: stale kernels and process attribution, off the scrape path --------------------
 
     def _analysis_loop(self) -> None:
-        self.collector  # noqa: B018 - built here, after readiness, rather than by the first scrape
+        try:
+            self.collector  # noqa: B018 - built here, after readiness, rather than by the first scrape
+        except Exception:  # a scrape builds it again, and a failure there is a 500, never a dead thread
+            log.exception("building the metrics collector failed")
         seen = self.sampler.version
         while not self._stop.is_set():
             self.sampler.wait_for_version(seen, self.settings.telemetry_interval)

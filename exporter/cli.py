@@ -365,7 +365,7 @@ def serve(settings: Settings, *, allow_missing_root: bool = False, on_ready=None
     # each system call of a /metrics request (wake-up, read, write) could wait 5 ms behind a worker
     # building a JSON document; 0.5 ms bounds that wait at the cost of more frequent switches
     # between busy threads (at 10,000 kernels, /metrics p50 during a /api/v1/state loop went
-    # from 13 ms to ~3 ms).
+    # from 13 ms to 6 ms; BENCHMARKS.md h).
     sys.setswitchinterval(_SWITCH_INTERVAL_SECONDS)
     stop = stop or threading.Event()
     if threading.current_thread() is threading.main_thread():

@@ -115,3 +115,23 @@ def test_a_docker_socket_missing_from_the_start_is_said_once(tmp_path: Path, cap
                         "kernels keep the identity they have"]
     finally:
         exporter.close()
+
+
+def test_the_start_pauses_the_cyclic_collector_and_hands_the_metrics_to_the_analysis_thread(tmp_path: Path, monkeypatch) -> None:
+    import gc
+    import sys
+
+    write_kernel(tmp_path, "k1", {"cuda.shares": {"GPU-a": Decimal("0.5")}})
+    enabled_during_scan = []
+    exporter = Exporter(Settings(scratch_roots=[tmp_path], telemetry_source="none", telemetry_interval=3600))
+    real_scan = exporter.scanner.scan
+    monkeypatch.setattr(exporter.scanner, "scan", lambda *a, **kw: enabled_during_scan.append(gc.isenabled()) or real_scan(*a, **kw))
+    assert gc.isenabled()
+    exporter.start()
+    try:
+        assert enabled_during_scan[0] is False and gc.isenabled()  # paused for the first scan, then back
+        # The collector (and prometheus_client with it) is built by the analysis thread, not the start.
+        wait_for(lambda: exporter._collector is not None)
+        assert "prometheus_client" in sys.modules and b"gpu_alloc_kernel_info" in exporter.render()
+    finally:
+        exporter.close()

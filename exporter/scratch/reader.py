@@ -356,13 +356,13 @@ class Scanner:
                 unchanged = sig is None or self._seen_identity.get(kernel_id) == sig
                 read = None if unchanged else self._read(root, kernel_id, RECOVERY_FILE)
             if read is not None:
-                self._land_identity(kernel_id, read, sig)
+                self._land_identity(root, kernel_id, read, sig)
 
-    def _land_identity(self, kernel_id: str, read: _Read, sig: _Signature | None) -> None:
+    def _land_identity(self, root: str, kernel_id: str, read: _Read, sig: _Signature | None) -> None:
         """Parse one read of a kernel's recovery.json into the book (the caller holds the lock)."""
         if sig is None:
             return  # no file
-        identity = read_identity("", kernel_id, read=read)
+        identity = read_identity(root, kernel_id, read=read)
         # Remember the signature only of a file that parsed: a torn one is read again later.
         self._seen_identity[kernel_id] = sig if identity is not None else None
         if identity is not None:
@@ -430,7 +430,7 @@ class Scanner:
                         sig = _read_signature(resource, root, kernel_id, _RESOURCE)
                         changed.append((kernel_id, self._land(root, kernel_id, now, resource, sig, False)))
                         if identity is not _MISSING:
-                            self._land_identity(kernel_id, identity, _read_signature(identity, root, kernel_id, RECOVERY_FILE))
+                            self._land_identity(root, kernel_id, identity, _read_signature(identity, root, kernel_id, RECOVERY_FILE))
                 for kernel_id, kernel in changed:  # logged outside the lock
                     _log_invalid(kernel_id, kernel)
         finally:
