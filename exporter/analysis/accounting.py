@@ -224,7 +224,7 @@ class Accountant:
             held, held_shares = cached[1], cached[2]
             if not held:
                 continue
-            if not any((k.kernel_id, h.alloc_device_id) in measured for h in held):
+            if not measured or not any((k.kernel_id, h.alloc_device_id) in measured for h in held):
                 # Nothing measured (no telemetry, MIG, no process yet): no ratios, shares only.
                 uses[k.kernel_id] = unmeasured
                 for gpu, share in held_shares:
