@@ -457,7 +457,8 @@ def render(r: dict, command: str) -> str:
         lines.append(f"| {int(n):,} | {row['p50_ms']} ms | {row['p99_ms']} ms | {row['max_ms']} ms | {row['trials']} |")
     cs = r["cold_start"]
     lines += ["", "## c. Cold start to ready at 10,000 kernels", "",
-              f"Process spawn to the first 200 from `/-/ready` (interpreter start, imports, full scan, inotify watches): "
+              f"Process spawn to `READY=1` on `$NOTIFY_SOCKET`, sent as `/-/ready` turns 200 (interpreter start, imports, "
+              f"full scan, first analysis; the tree just built, bytecode as the checkout has it; section h times it settled): "
               f"median **{cs['median_s']} s**, max {cs['max_s']} s over {cs['runs']} runs ({', '.join(map(str, cs['all_s']))} s); "
               f"{cs['threads_at_ready']} threads and {cs['rss_mib_at_ready']} MiB RSS at ready."]
     lines += ["", "## d. Sustained churn (in-place rewrites of random kernels' resource.txt, one scrape per second)", "",
