@@ -322,13 +322,24 @@ class HttpServer:
             loop.add_reader(conn.fileno(), self._first_byte, cid)
 
     def _first_byte(self, cid: int) -> None:
-        """A silent connection became readable: from now on a task serves it."""
-        entry = self._silent.pop(cid, None)
+        """A silent connection became readable: from now on a task serves it, unless what it has
+        to read is its end (a flood's connect-and-close costs one peek, not a transport)."""
+        entry = self._silent.get(cid)
         if entry is None:
             return
         conn = entry[0]
+        try:
+            closed = not conn.recv(1, socket.MSG_PEEK)
+        except (BlockingIOError, InterruptedError):
+            return  # a spurious wake-up: still silent, still watched
+        except OSError:  # reset by the peer
+            closed = True
+        del self._silent[cid]
         assert self._loop is not None
         self._loop.remove_reader(conn.fileno())
+        if closed:
+            conn.close()
+            return
         state = _Conn()
         self._conns[cid] = state
         state.task = self._loop.create_task(self._serve(cid, state, conn))

@@ -247,6 +247,21 @@ def test_a_flood_of_silent_connections_does_not_starve_a_scraper() -> None:
                 s.close()
 
 
+def test_a_connect_and_close_costs_a_peek_not_a_connection_task(monkeypatch) -> None:
+    """A flood that connects and closes at once: each is seen readable (its end), peeked at and
+    closed; no task, transport or parser is built for it, and a real request still is served."""
+    served = []
+    real_serve = HttpServer._serve
+    monkeypatch.setattr(HttpServer, "_serve", lambda self, *a: served.append(1) or real_serve(self, *a))
+    with serving(lambda _: Response(200, METRICS)) as server:
+        for _ in range(50):
+            socket.create_connection(("127.0.0.1", server.port)).close()
+        wait_for(lambda: server.connections_total == 50 and server.open_connections == 0)
+        assert served == []
+        assert get(server.port) == (200, {"content-type": "text/plain; charset=utf-8", "content-length": str(len(METRICS))}, METRICS)
+        assert served == [1]
+
+
 def test_a_connection_that_sends_nothing_is_closed_after_the_first_byte_deadline() -> None:
     with serving(lambda _: Response(200, METRICS), Limits(first_byte_timeout=0.3)) as server:
         with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
