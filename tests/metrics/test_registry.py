@@ -226,6 +226,37 @@ def _no_durations(text: bytes) -> bytes:
     return re.sub(rb"^gpu_alloc_collector_duration_seconds.*$", b"", text, flags=re.M)
 
 
+def test_render_cached_answers_only_from_current_text_and_never_waits() -> None:
+    """What the serving loop asks: bytes when every part's text in that encoding is current, else
+    None (the request then renders on the render thread), also while a render holds the lock."""
+    version = {"small": 0}
+    calls = []
+
+    def member() -> bytes:
+        calls.append(1)
+        return gzip_member(render_families([GaugeMetricFamily("gpu_alloc_big", "a value", value=1)]))
+
+    collector = ExporterCollector([
+        Part("big", list, lambda: 0, member, gzipped=True),  # kept as a gzip member only
+        Part("small", lambda: [GaugeMetricFamily("gpu_alloc_small", "a value", value=version["small"])], lambda: version["small"]),
+        Part("flaky", lambda: 1 / 0, lambda: 0),
+    ], clock=lambda: 1.7e9)
+    assert collector.render_cached(gzipped=True) is None  # nothing rendered yet
+    collector.render(gzipped=True)
+    assert collector.render_cached(gzipped=True) is None  # the failed part is never cached: retried
+    collector = ExporterCollector(collector._parts[:2], clock=lambda: 1.7e9)
+    rendered = collector.render(gzipped=True)
+    assert _no_durations(gzip.decompress(collector.render_cached(gzipped=True))) == _no_durations(gzip.decompress(rendered))
+    assert collector.render_cached(gzipped=False) is None  # plain would decompress "big": not on the loop
+    version["small"] = 1
+    assert collector.render_cached(gzipped=True) is None  # a part changed
+    collector.render(gzipped=True)
+    assert b"gpu_alloc_small 1.0" in gzip.decompress(collector.render_cached(gzipped=True))
+    with collector._lock:  # a render in progress (another thread): no wait, no answer
+        assert collector.render_cached(gzipped=True) is None
+    assert len(calls) == 2  # rendered by the two collectors, never by render_cached
+
+
 def test_a_gzipped_part_is_cached_as_its_gzip_member_and_decompressed_for_a_plain_scrape() -> None:
     calls = []
 
