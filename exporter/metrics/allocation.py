@@ -59,8 +59,11 @@ def agent_unreadable_families(view: AllocationView) -> list[Metric]:
     kernels = _g("gpu_alloc_kernel_agent_unreadable",
                  "1 for a kernel whose resource.txt the agent's own reader rejects, by reason (the agent's alloc map stops there)",
                  ["kernel_id", "reason"])
-    for kernel_id, kernel in sorted(view.kernels.items()):
-        for reason in kernel.spec.agent_unreadable if kernel.spec else ():
+    # Nearly always none: find them first, then sort those (sorting 10,000 ids took ~9 ms a render).
+    unreadable = [(kernel_id, kernel.spec.agent_unreadable) for kernel_id, kernel in view.kernels.items()
+                  if kernel.spec is not None and kernel.spec.agent_unreadable]
+    for kernel_id, reasons in sorted(unreadable):
+        for reason in reasons:
             kernels.add_metric([kernel_id, reason], 1)
     partial = GaugeMetricFamily("gpu_alloc_agent_alloc_map_partial",
                                 "1 if some kernel's file would stop the agent's own gpu_alloc_map RPC (its map is partial)",
