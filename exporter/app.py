@@ -420,18 +420,18 @@ class Exporter:
     def ratio_capacities(self) -> dict[tuple[str, str], Decimal]:
         """The divisors of the ratio alloc map: each device's registered capacity per slot."""
         view, snapshot = self.book.view(), self.snapshot()
-        resolver = self.resolver(view, snapshot)
-        inventory = inventory_from_snapshot(snapshot, resolver)
-        return ratio_capacities(live_state(view, snapshot, inventory, self.params, self.analysis.liveness), inventory)
+        inventory = inventory_from_snapshot(snapshot, self.resolver(view, snapshot))
+        return ratio_capacities(self._live_state(view, snapshot), inventory)
 
     def node_state(self) -> NodeState:
-        """Devices with capacity and allocation now: what ``simulate`` places requests on.
+        """Devices with capacity and allocation now: what ``simulate`` places requests on."""
+        return self._live_state(self.book.view(), self.snapshot())
 
-        Built once per change of its inputs (immutable objects, compared by identity): at 10,000
-        kernels a build holds the GIL ~8 ms, which a client polling /api/v1/state would otherwise
-        spend on every request, beside the serving loop.
-        """
-        view, snapshot, liveness = self.book.view(), self.snapshot(), self.analysis.liveness
+    def _live_state(self, view: AllocationView, snapshot: TelemetrySnapshot) -> NodeState:
+        """:func:`live_state` of the view and snapshot, built once per change of its inputs
+        (immutable objects, compared by identity): at 10,000 kernels a build holds the GIL ~8 ms,
+        which every /api/v1/state, ratio alloc-map and agent-headroom request would otherwise pay."""
+        liveness = self.analysis.liveness
         cached = self._node_state
         if cached is not None and cached[0] is view and cached[1] is snapshot and cached[2] is liveness:
             return cached[3]
@@ -453,7 +453,7 @@ class Exporter:
         view, snapshot = self.book.view(), self.snapshot()
         inventory = inventory_from_snapshot(snapshot, self.resolver(view, snapshot))
         liveness = self.analysis.liveness
-        whole = live_state(view, snapshot, inventory, self.params, liveness)
+        whole = self._live_state(view, snapshot)
         return {
             agent_id: agent_headroom(whole, node_state(own, inventory, self.params, liveness), self.layout, agent_id)
             for agent_id, own in self.agent_views().items()

@@ -157,16 +157,17 @@ def _read_config(root: str, kernel_id: str, files: Sequence[tuple[str, int]], ro
 
     :param root_fd: the root, already open (a scan opens it once for all its kernels).
     """
-    if root_fd is None:
+    own = root_fd is None
+    if own:
         try:
             root_fd = os.open(root, _ROOT_DIR)
         except OSError as exc:
             return [exc.with_traceback(None)] * len(files)
-        try:
-            return _read_below(root, kernel_id, files, root_fd)
-        finally:
+    try:
+        return _read_below(root, kernel_id, files, root_fd)
+    finally:
+        if own:
             os.close(root_fd)
-    return _read_below(root, kernel_id, files, root_fd)
 
 
 def _read_below(root: str, kernel_id: str, files: Sequence[tuple[str, int]], root_fd: int) -> list[_Read]:
@@ -429,8 +430,7 @@ class Scanner:
                     for kernel_id, resource, identity in reads:
                         sig = _read_signature(resource, root, kernel_id, _RESOURCE)
                         changed.append((kernel_id, self._land(root, kernel_id, now, resource, sig, False)))
-                        if identity is not _MISSING:
-                            self._land_identity(root, kernel_id, identity, _read_signature(identity, root, kernel_id, RECOVERY_FILE))
+                        self._land_identity(root, kernel_id, identity, _read_signature(identity, root, kernel_id, RECOVERY_FILE))
                 for kernel_id, kernel in changed:  # logged outside the lock
                     _log_invalid(kernel_id, kernel)
         finally:
