@@ -53,7 +53,6 @@ from exporter.analysis.placement import NoFragRule
 from exporter.analysis.placement import Request as PlacementRequest
 from exporter.metrics.status import Health
 from exporter.scratch.allocation import AllocationBook, AllocationView
-from exporter.scratch.containers import ContainerListError, DockerLabels
 from exporter.scratch.identity import UNDEFINED
 from exporter.scratch.reader import Scanner
 from exporter.scratch.watcher import ScratchWatcher
@@ -225,7 +224,11 @@ class Exporter:
         self._ready = threading.Event()
         # Opt-in identity from the kernel containers' Docker labels (agents before 25.18).
         socket_path = settings.identity_docker_socket
-        self._labels = DockerLabels(str(socket_path)) if socket_path is not None else None
+        self._labels = None
+        if socket_path is not None:
+            from exporter.scratch.containers import DockerLabels  # http.client: ~10 ms of a start without it
+
+            self._labels = DockerLabels(str(socket_path))
         self._labels_health = Health(False)
         self._labels_failing = False
         self._labeller: threading.Thread | None = None
@@ -312,6 +315,8 @@ class Exporter:
 
     def _read_labels(self) -> None:
         """One list request; each kernel without a readable recovery.json takes its labels' identity."""
+        from exporter.scratch.containers import ContainerListError  # loaded by __init__: a lookup
+
         started = self._monotonic()
         try:
             identities = self._labels.fetch()

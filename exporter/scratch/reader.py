@@ -25,6 +25,7 @@ from pathlib import Path
 from exporter.scratch.allocation import AllocationBook, Kernel, KernelState
 from exporter.scratch.beneath import open_beneath
 from exporter.scratch.identity import RECOVERY_FILE, Identity, parse_recovery
+from exporter.scratch.prefetch import read_batches
 from exporter.scratch.resources import UNTERMINATED, Pending, ResourceParseError, parse_resource
 
 __all__ = ["IDENTITY_FILE", "RESOURCE_FILE", "ScanStats", "Scanner", "is_kernel_name", "read_identity", "read_kernel"]
@@ -268,8 +269,8 @@ class ScanStats:
 _Signature = tuple[int, int, int, int]  # (st_dev, st_ino, st_size, st_mtime_ns) of a file
 # A forced scan reads the files of this many kernels, then parses them: parsing each kernel right
 # after its path walks costs ~25 µs more per kernel, as the syscalls evict the parser's working set
-# from the CPU caches (a 10,000-kernel scan took 0.9 s instead of 0.65 s on a 2-core VM). The lock
-# is held over a batch, a few ms.
+# from the CPU caches (a 10,000-kernel scan took 0.9 s instead of 0.65 s on a 2-core VM). It is
+# also the unit the helper process sends (:mod:`~exporter.scratch.prefetch`).
 _SCAN_BATCH = 64
 
 
@@ -413,26 +414,29 @@ class Scanner:
 
 
     def _read_all(self, root: str, kernels: Sequence[str]) -> None:
-        """Read and land every kernel's two files (a forced scan)."""
+        """Read and land every kernel's two files (a forced scan).
+
+        The reads of a large root are made by a helper process ahead of the parsing
+        (:mod:`~exporter.scratch.prefetch`). The lock is held over the whole scan, so that no
+        event's refresh lands between a file's read and its parse, which would put an older read
+        over a newer one (forced scans run at start, before events are served: nothing waits).
+        """
         both = self._files(_RESOURCE, RECOVERY_FILE)
         try:
             root_fd = os.open(root, _ROOT_DIR)  # once for every kernel's reads
         except OSError:
             root_fd = None  # each read opens it again and says why it cannot
         try:
-            for start in range(0, len(kernels), _SCAN_BATCH):
-                batch = kernels[start : start + _SCAN_BATCH]
-                # Held over the batch: no event's refresh lands between a file's read and its parse.
-                with self._lock:
-                    now = self._clock()
-                    reads = [(kernel_id, *_read_config(root, kernel_id, both, root_fd)) for kernel_id in batch]
+            with self._lock:
+                now = self._clock()  # before every read: a file older than the settle time is closed
+                for batch, reads in read_batches(lambda kernel_id: _read_config(root, kernel_id, both, root_fd), kernels, _SCAN_BATCH):
                     changed = []
-                    for kernel_id, resource, identity in reads:
+                    for kernel_id, (resource, identity) in zip(batch, reads, strict=True):
                         sig = _read_signature(resource, root, kernel_id, _RESOURCE)
                         changed.append((kernel_id, self._land(root, kernel_id, now, resource, sig, False)))
                         self._land_identity(root, kernel_id, identity, _read_signature(identity, root, kernel_id, RECOVERY_FILE))
-                for kernel_id, kernel in changed:  # logged outside the lock
-                    _log_invalid(kernel_id, kernel)
+                    for kernel_id, kernel in changed:
+                        _log_invalid(kernel_id, kernel)
         finally:
             if root_fd is not None:
                 os.close(root_fd)

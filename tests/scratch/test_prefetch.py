@@ -1,0 +1,143 @@
+"""A large forced scan's reads, made by a forked helper: the same answers as reading in-process,
+whatever the helper does (dies, cannot be forked, is abandoned), and nothing left behind."""
+
+from __future__ import annotations
+
+import errno
+import os
+from decimal import Decimal
+from pathlib import Path
+
+import pytest
+
+from exporter.demo import write_kernel, write_recovery
+from exporter.scratch import prefetch
+from exporter.scratch.allocation import AllocationBook
+from exporter.scratch.reader import Scanner
+
+KERNELS = [f"k{i:04d}" for i in range(300)]
+
+
+@pytest.fixture
+def helper(monkeypatch) -> None:
+    """The helper for any number of kernels, as on a machine with a second CPU."""
+    monkeypatch.setattr(prefetch, "MIN_KERNELS", 1)
+    monkeypatch.setattr(prefetch, "_cpus", lambda: 2)
+
+
+def open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+def children() -> list[str]:
+    return Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read_text().split()
+
+
+def by_whom(kernel_id: str) -> tuple[str, int]:
+    return kernel_id, os.getpid()
+
+
+def test_the_helper_reads_every_kernel_in_order_and_leaves_nothing_behind(helper) -> None:
+    fds = open_fds()
+    batches = list(prefetch.read_batches(by_whom, KERNELS, 64))
+    assert [len(ids) for ids, _ in batches] == [64, 64, 64, 64, 44]
+    reads = [r for ids, rs in batches for r in rs]
+    assert [k for k, _ in reads] == KERNELS == [k for ids, _ in batches for k in ids]
+    assert {pid for _, pid in reads} - {os.getpid()}, "a helper process made the reads"
+    assert open_fds() == fds
+    assert children() == []  # reaped
+
+
+def test_small_scans_and_one_cpu_read_in_process(monkeypatch) -> None:
+    reads = [r for _, rs in prefetch.read_batches(by_whom, KERNELS[:10], 4) for r in rs]
+    assert reads == [(k, os.getpid()) for k in KERNELS[:10]]  # under MIN_KERNELS
+    monkeypatch.setattr(prefetch, "MIN_KERNELS", 1)
+    monkeypatch.setattr(prefetch, "_cpus", lambda: 1)
+    assert [r for _, rs in prefetch.read_batches(by_whom, KERNELS, 64) for r in rs] == [(k, os.getpid()) for k in KERNELS]
+
+
+def test_a_helper_that_dies_midway_costs_nothing(helper) -> None:
+    parent = os.getpid()
+
+    def dies_at_k0100(kernel_id: str) -> tuple[str, int]:
+        if kernel_id == "k0100" and os.getpid() != parent:
+            os._exit(9)  # killed (OOM, a signal) in the middle of a batch
+        return by_whom(kernel_id)
+
+    reads = [r for _, rs in prefetch.read_batches(dies_at_k0100, KERNELS, 64) for r in rs]
+    assert [k for k, _ in reads] == KERNELS
+    assert {pid for k, pid in reads if k < "k0064"} != {parent}  # the first batch came from the helper
+    assert {pid for k, pid in reads if k >= "k0064"} == {parent}  # the torn one, and the rest, read here
+    assert children() == []
+
+
+def test_a_helper_whose_read_raises_hands_the_rest_back(helper) -> None:
+    parent = os.getpid()
+
+    def raises(kernel_id: str) -> tuple[str, int]:
+        if os.getpid() != parent:
+            raise MemoryError
+        return by_whom(kernel_id)
+
+    assert [r for _, rs in prefetch.read_batches(raises, KERNELS, 64) for r in rs] == [(k, parent) for k in KERNELS]
+
+
+def test_no_fork_no_helper(helper, monkeypatch) -> None:
+    def refused() -> int:
+        raise OSError(errno.EAGAIN, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(prefetch.os, "fork", refused)
+    fds = open_fds()
+    assert [r for _, rs in prefetch.read_batches(by_whom, KERNELS, 64) for r in rs] == [(k, os.getpid()) for k in KERNELS]
+    assert open_fds() == fds
+
+
+def test_a_caller_that_stops_early_leaves_no_child_or_descriptor(helper) -> None:
+    fds = open_fds()
+    batches = prefetch.read_batches(by_whom, KERNELS * 40, 64)  # ~12,000 reads: more than the pipe holds
+    next(batches)
+    batches.close()
+    assert children() == []
+    assert open_fds() == fds
+
+
+def mixed_tree(root: Path, outside: Path) -> None:
+    """Every kind of kernel a scan meets, with recovery.json where 25.18+ writes it."""
+    for i in range(40):
+        kid = f"{i:08x}-0000-4000-8000-000000000000"
+        write_kernel(root, kid, {"cuda.shares": {f"GPU-{i % 3}": Decimal(i % 7 + 1) / 10}}, container_id=f"{i:064x}")
+        if i % 2:
+            write_recovery(root, kid, "5f4c5a0a-0000-4000-8000-000000000001", "7a8e5c9f-0000-4000-8000-000000000002")
+    outside.mkdir()
+    (outside / "resource.txt").write_text("SECRET=1\n")
+    (root / "alias").mkdir()
+    (root / "alias/config").symlink_to(root / "00000001-0000-4000-8000-000000000000/config")
+    (root / "escape").mkdir()
+    (root / "escape/config").symlink_to(outside)
+    (root / "fifo/config").mkdir(parents=True)
+    os.mkfifo(root / "fifo/config/resource.txt")
+    (root / "big/config").mkdir(parents=True)
+    (root / "big/config/resource.txt").write_bytes(b"x" * (2 << 20))
+    (root / "unreadable/config").mkdir(parents=True)
+    (root / "unreadable/config/resource.txt").write_bytes(b"SLOTS={\xff}\n")
+    (root / "torn/config").mkdir(parents=True)
+    (root / "torn/config/resource.txt").write_text("SCRATCH_SIZE=0m\nMOUNTS=\nSLOTS={\"cuda.sha")
+    (root / "starting/config").mkdir(parents=True)
+
+
+def test_a_scan_through_the_helper_books_what_an_in_process_scan_books(tmp_path, monkeypatch) -> None:
+    root = tmp_path / "root"
+    mixed_tree(root, tmp_path / "outside")
+
+    def scan(min_kernels: int) -> AllocationBook:
+        monkeypatch.setattr(prefetch, "MIN_KERNELS", min_kernels)
+        monkeypatch.setattr(prefetch, "_cpus", lambda: 2)
+        book = AllocationBook(clock=lambda: 1.0)
+        Scanner(book, clock=lambda: 2e9).scan(str(root))
+        return book
+
+    here, helped = scan(10**9).view(), scan(1).view()
+    assert len(here.kernels) == 47
+    assert helped.kernels == here.kernels  # states, reasons, allocations and identities alike
+    assert helped.alloc_map == here.alloc_map and helped.parse_errors_total == here.parse_errors_total == 6
+    assert sum(k.identity is not None for k in helped.kernels.values()) == 20
