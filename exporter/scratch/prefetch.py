@@ -73,9 +73,9 @@ def _from_child(read: Callable[[str], T], kernels: Sequence[str], batch: int) ->
     if pid == 0:
         _child(r, w, read, kernels, batch)  # never returns
     os.close(w)
+    done = 0
     try:
         with open(r, "rb") as pipe:  # buffered: a read(n) returns n bytes, or fewer only at the end
-            done = 0
             while done < len(kernels) and len(header := pipe.read(_HEADER.size)) == _HEADER.size:
                 (size,) = _HEADER.unpack(header)
                 data = pipe.read(size)
@@ -86,20 +86,21 @@ def _from_child(read: Callable[[str], T], kernels: Sequence[str], batch: int) ->
                 done += len(reads)
                 yield ids, reads
     finally:
-        # The pipe is closed first: a child still writing (the caller stopped early) then gets
-        # EPIPE and exits, rather than blocking this wait.
+        if done < len(kernels):
+            # The caller stopped early or the child failed: never wait on a child that may be
+            # stuck in a read (a hung network mount) or blocked on the pipe.
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         _reap(pid)
 
 
 def _reap(pid: int) -> None:
-    while True:
-        try:
-            os.waitpid(pid, 0)
-            return
-        except ChildProcessError:  # reaped elsewhere (a SIGCHLD handler set to SIG_IGN)
-            return
-        except InterruptedError:
-            continue
+    try:
+        os.waitpid(pid, 0)
+    except ChildProcessError:  # reaped already: SIGCHLD is set to SIG_IGN
+        pass
 
 
 def _child(r: int, w: int, read: Callable[[str], T], kernels: Sequence[str], batch: int) -> None:

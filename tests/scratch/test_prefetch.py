@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import time
 from decimal import Decimal
 from pathlib import Path
 
@@ -112,6 +113,22 @@ def test_a_caller_that_stops_early_leaves_no_child_or_descriptor(helper) -> None
     batches.close()
     assert reaped(helper)
     assert open_fds() == fds
+
+
+def test_a_caller_that_stops_early_does_not_wait_for_a_stuck_helper(helper) -> None:
+    parent = os.getpid()
+
+    def hangs_at_k0100(kernel_id: str) -> tuple[str, int]:
+        if kernel_id == "k0100" and os.getpid() != parent:
+            time.sleep(3600)  # a read on a hung network mount
+        return by_whom(kernel_id)
+
+    batches = prefetch.read_batches(hangs_at_k0100, KERNELS, 64)
+    next(batches)
+    started = time.monotonic()
+    batches.close()
+    assert time.monotonic() - started < 30  # killed and reaped, not waited for (an hour)
+    assert reaped(helper)
 
 
 def mixed_tree(root: Path, outside: Path) -> None:
