@@ -136,10 +136,10 @@ def test_inotify_queue_overflow_is_survived_and_repaired(tmp_path: Path) -> None
     def start_with_a_tiny_queue(exporter: Exporter) -> None:
         real_refresh = exporter.scanner.refresh
 
-        def stalling(r, kid, force=True, closed=False):
+        def stalling(r, kid, closed=False):
             if kid == "stall":
                 release.wait(10)
-            real_refresh(r, kid, force, closed)
+            real_refresh(r, kid, closed)
 
         exporter.scanner.refresh = stalling
         limit.write_text("16\n")

@@ -303,23 +303,14 @@ class Scanner:
         # older read from landing after a newer one. Reentrant: a scan holds it over a batch.
         self._lock = threading.RLock()
 
-    def refresh(self, root: str, kernel_id: str, force: bool = True, closed: bool = False) -> None:
+    def refresh(self, root: str, kernel_id: str, closed: bool = False) -> None:
         """Re-read one kernel (or forget it if its directory is gone).
 
-        :param force: read even if the file's size, mtime and inode look unchanged. Events force;
-            rescans don't, so a 10,000-kernel rescan costs stats, not reads.
         :param closed: the writer has just closed the file (``IN_CLOSE_WRITE``).
         """
         with self._lock:
-            if force:
-                now, read = self._clock(), self._read(root, kernel_id, _RESOURCE)
-                sig = _read_signature(read, root, kernel_id, _RESOURCE)
-            else:
-                sig = _signature(os.path.join(root, kernel_id, _RESOURCE_PATH))
-                if sig is not None and self._seen.get(kernel_id) == sig:
-                    return
-                now, read = self._clock(), self._read(root, kernel_id, _RESOURCE)
-            changed = self._land(root, kernel_id, now, read, sig, closed)
+            now, read = self._clock(), self._read(root, kernel_id, _RESOURCE)
+            changed = self._land(root, kernel_id, now, read, _read_signature(read, root, kernel_id, _RESOURCE), closed)
         _log_invalid(kernel_id, changed)
 
     def _land(self, root: str, kernel_id: str, now: float, read: _Read, sig: _Signature | None, closed: bool) -> Kernel | None:
@@ -341,24 +332,15 @@ class Scanner:
             return None
         return self.book.apply(kernel_id, root, outcome)
 
-    def refresh_identity(self, root: str, kernel_id: str, force: bool = True) -> None:
+    def refresh_identity(self, root: str, kernel_id: str) -> None:
         """Re-read one kernel's recovery.json (never its resource.txt).
 
         A file that says what the kernel's identity already says changes nothing (same
         :class:`Kernel` object, same book version); a torn or ``{}`` file keeps the last identity.
-
-        :param force: read even if the file's signature looks unchanged (events force; rescans don't).
         """
         with self._lock:
-            if force:
-                read = self._read(root, kernel_id, RECOVERY_FILE)
-                sig = _read_signature(read, root, kernel_id, RECOVERY_FILE)
-            else:
-                sig = _signature(os.path.join(root, kernel_id, _CONFIG, RECOVERY_FILE))
-                unchanged = sig is None or self._seen_identity.get(kernel_id) == sig
-                read = None if unchanged else self._read(root, kernel_id, RECOVERY_FILE)
-            if read is not None:
-                self._land_identity(root, kernel_id, read, sig)
+            read = self._read(root, kernel_id, RECOVERY_FILE)
+            self._land_identity(root, kernel_id, read, _read_signature(read, root, kernel_id, RECOVERY_FILE))
 
     def _land_identity(self, root: str, kernel_id: str, read: _Read, sig: _Signature | None) -> None:
         """Parse one read of a kernel's recovery.json into the book (the caller holds the lock)."""
@@ -386,7 +368,11 @@ class Scanner:
         return tuple((name, IDENTITY_MAX_BYTES if name == RECOVERY_FILE else self.max_bytes) for name in names)
 
     def scan(self, root: str, force: bool = True) -> ScanStats:
-        """Read every kernel under ``root`` and forget the ones that vanished."""
+        """Read every kernel under ``root`` and forget the ones that vanished.
+
+        :param force: read every file (the scan at start); otherwise re-read only the files whose
+            size, mtime or inode changed (the safety-net rescans: stats, not reads).
+        """
         started = self._monotonic()
         try:
             seen = set(list_kernels(root))
@@ -407,10 +393,27 @@ class Scanner:
         if force:
             self._read_all(root, kernels)
         else:
-            for kernel_id in kernels:
-                self.refresh(root, kernel_id, force=False)
-                self.refresh_identity(root, kernel_id, force=False)
+            self._restat(root, kernels)
         return ScanStats(root, len(seen), self._monotonic() - started, error is None, error)
+
+    def _restat(self, root: str, kernels: Sequence[str]) -> None:
+        """Re-read only the files whose signature changed since their last read (a safety-net
+        rescan: at 10,000 kernels, 20,000 stats, made relative to the root opened once)."""
+        try:
+            root_fd = os.open(root, _ROOT_DIR)
+        except OSError:
+            return  # gone or unreadable since its listing: the next scan says so
+        try:
+            for kernel_id in kernels:
+                # Compared outside the lock: a change in between is re-read (here, or by its event).
+                sig = _signature(f"{kernel_id}/{_RESOURCE_PATH}", root_fd)
+                if sig is None or self._seen.get(kernel_id) != sig:
+                    self.refresh(root, kernel_id)
+                sig = _signature(f"{kernel_id}/{_CONFIG}/{RECOVERY_FILE}", root_fd)
+                if sig is not None and self._seen_identity.get(kernel_id) != sig:
+                    self.refresh_identity(root, kernel_id)
+        finally:
+            os.close(root_fd)
 
 
     def _read_all(self, root: str, kernels: Sequence[str]) -> None:
@@ -459,9 +462,9 @@ def _read_signature(read: _Read, root: str, kernel_id: str, name: str) -> _Signa
     return _signature(os.path.join(root, kernel_id, _CONFIG, name))
 
 
-def _signature(path: str) -> _Signature | None:
+def _signature(path: str, dir_fd: int | None = None) -> _Signature | None:
     try:
-        st = os.stat(path)
+        st = os.stat(path, dir_fd=dir_fd)
     except OSError:
         return None
     return _stat_signature(st)

@@ -287,8 +287,8 @@ def test_a_file_that_cannot_be_read_is_not_read_again_by_a_rescan(tmp_path: Path
 
 
 def test_an_event_during_a_scan_never_lands_before_the_scans_older_read(tmp_path: Path) -> None:
-    """A forced scan reads a batch of kernels, then parses them. An event's refresh of one of them
-    in between must wait for the batch: else the scan's older read would land after the newer one."""
+    """A forced scan reads kernels ahead of parsing them. An event's refresh of one of them in
+    between must wait for the scan: else the scan's older read would land after the newer one."""
     kids = [_uuid_kernel(tmp_path, i, "0.25", identity=False) for i in range(8)]
     book = AllocationBook()
 
@@ -300,7 +300,7 @@ def test_an_event_during_a_scan_never_lands_before_the_scans_older_read(tmp_path
                 other = next(k for k in kids if k != kernel_id)  # not landed yet: this is the first
                 path = tmp_path / other / "config/resource.txt"
                 path.write_text(path.read_text().replace("0.25", "0.5"))
-                self.event = threading.Thread(target=self.refresh, args=(root, other, True, True), name="event")
+                self.event = threading.Thread(target=self.refresh, args=(root, other, True), name="event")
                 self.event.start()
                 self.event.join(0.2)  # it waits for the batch (it would be done by now otherwise)
             return super()._land(root, kernel_id, *args)

@@ -164,9 +164,9 @@ class IdentityCountingScanner(Scanner):
 
         monkeypatch.setattr(reader_module, "read_kernel", counting)
 
-    def refresh_identity(self, root: str, kernel_id: str, force: bool = True) -> None:
+    def refresh_identity(self, root: str, kernel_id: str) -> None:
         self.identity_reads += 1
-        super().refresh_identity(root, kernel_id, force)
+        super().refresh_identity(root, kernel_id)
 
 
 def test_identity_arrives_late_torn_and_through_a_storm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

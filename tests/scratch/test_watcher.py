@@ -37,9 +37,9 @@ class CountingScanner(Scanner):
         super().__init__(book)
         self.reads = 0
 
-    def refresh(self, root: str, kernel_id: str, force: bool = True, closed: bool = False) -> None:
+    def refresh(self, root: str, kernel_id: str, closed: bool = False) -> None:
         self.reads += 1
-        super().refresh(root, kernel_id, force, closed)
+        super().refresh(root, kernel_id, closed)
 
 
 def test_new_kernel_appears_and_removed_kernel_disappears(watched) -> None:
@@ -122,10 +122,10 @@ def test_overflow_triggers_a_rescan(tmp_path: Path) -> None:
     release = threading.Event()
 
     class Stalling(Scanner):
-        def refresh(self, root, kernel_id, force=True, closed=False):
+        def refresh(self, root, kernel_id, closed=False):
             if kernel_id == "stall":
                 release.wait(10)
-            super().refresh(root, kernel_id, force, closed)
+            super().refresh(root, kernel_id, closed)
 
     watcher = ScratchWatcher(Stalling(book), [str(tmp_path)], rescan_interval=3600)
     try:
@@ -178,10 +178,10 @@ def test_a_handler_error_is_counted_and_the_watcher_keeps_running(tmp_path: Path
     class Flaky(Scanner):
         fail = True
 
-        def refresh(self, root, kernel_id, force=True, closed=False):
+        def refresh(self, root, kernel_id, closed=False):
             if self.fail and kernel_id == "bad":
                 raise RuntimeError("boom")
-            super().refresh(root, kernel_id, force, closed)
+            super().refresh(root, kernel_id, closed)
 
     with ScratchWatcher(Flaky(book), [str(tmp_path)], rescan_interval=3600) as watcher:
         (tmp_path / "bad").mkdir()
@@ -289,9 +289,9 @@ def test_a_rewrite_between_the_first_read_and_the_watch_is_not_lost(tmp_path: Pa
     class RewriteAfterFirstRead(Scanner):
         done = False
 
-        def refresh(self, root, kernel_id, force=True):
-            super().refresh(root, kernel_id, force)
-            if not self.done:
+        def _restat(self, root, kernels):
+            super()._restat(root, kernels)
+            if not self.done:  # the arming pass's stats are done; its watches are not armed yet
                 self.done = True
                 (tmp_path / "k1/config/resource.txt").write_text(FULL.replace("0.5", "0.25") + "X=grown\n")
 
