@@ -206,6 +206,7 @@ class HttpServer:
         self._silent: collections.OrderedDict[int, tuple[socket.socket, float]] = collections.OrderedDict()
         self._ids = itertools.count()
         self._stopped: asyncio.Event | None = None
+        self._sweep_wanted: asyncio.Event | None = None  # set when a connection turns silent
         self._warned_tls_off = False
         self._pool: ThreadPoolExecutor | None = None
         self._renderer: ThreadPoolExecutor | None = None  # one thread: renders for Route.cached
@@ -281,6 +282,7 @@ class HttpServer:
     async def _main(self, ready: threading.Event) -> None:
         loop = asyncio.get_running_loop()
         self._stopped = asyncio.Event()
+        self._sweep_wanted = asyncio.Event()
         assert self._sock is not None
         loop.add_reader(self._sock.fileno(), self._accept)
         sweeper = loop.create_task(self._sweep())
@@ -299,7 +301,7 @@ class HttpServer:
     def _accept(self) -> None:
         """Accept what the backlog holds, up to a batch; readiness brings us back for the rest."""
         loop = self._loop
-        assert loop is not None and self._sock is not None
+        assert loop is not None and self._sock is not None and self._sweep_wanted is not None
         for _ in range(_ACCEPT_BATCH):
             try:
                 conn, _ = self._sock.accept()
@@ -320,6 +322,7 @@ class HttpServer:
             cid = next(self._ids)
             self._silent[cid] = (conn, time.monotonic())
             loop.add_reader(conn.fileno(), self._first_byte, cid)
+            self._sweep_wanted.set()
 
     def _first_byte(self, cid: int) -> None:
         """A silent connection became readable: from now on a task serves it, unless what it has
@@ -351,8 +354,15 @@ class HttpServer:
         conn.close()
 
     async def _sweep(self) -> None:
-        """Close connections that stayed silent past ``first_byte_timeout`` (oldest first)."""
+        """Close connections that stayed silent past ``first_byte_timeout`` (oldest first).
+
+        It sleeps while no connection is silent: four wake-ups a second of an idle exporter cost
+        ~0.1 % of a core, more than the scrapes it answers."""
         while True:
+            assert self._sweep_wanted is not None
+            if not self._silent:
+                self._sweep_wanted.clear()
+                await self._sweep_wanted.wait()
             await asyncio.sleep(_SWEEP_INTERVAL)
             cutoff = time.monotonic() - self.limits.first_byte_timeout
             while self._silent:

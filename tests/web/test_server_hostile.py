@@ -270,6 +270,16 @@ def test_a_connection_that_sends_nothing_is_closed_after_the_first_byte_deadline
         assert server.open_connections == 0
 
 
+def test_an_idle_server_has_no_timer_and_still_closes_the_next_silent_connection() -> None:
+    """The deadline sweeper waits for a silent connection rather than waking four times a second
+    (what an idle exporter spent most of its CPU on), and wakes for the next one."""
+    with serving(lambda _: Response(200, METRICS), Limits(first_byte_timeout=0.3)) as server:
+        for _ in range(2):
+            with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+                assert s.recv(1) == b""  # closed at the deadline
+            wait_for(lambda: not [t for t in server._loop._scheduled if not t.cancelled()])  # asyncio's timer heap
+
+
 def test_the_listen_backlog_is_generous() -> None:
     with serving(lambda _: Response(200, METRICS)) as server:
         out = subprocess.run(["ss", "-Hltn", f"sport = :{server.port}"], capture_output=True, text=True)
