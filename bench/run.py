@@ -48,6 +48,7 @@ from common import (  # noqa: E402
     Client,
     ExporterProcess,
     build_tree,
+    compile_bytecode,
     consistency_errors,
     expected_alloc_map,
     free_port,
@@ -58,6 +59,7 @@ from common import (  # noqa: E402
     proc_threads,
     resource_text,
     revision,
+    settle,
 )
 from load import passed as load_passed  # noqa: E402
 from load import run_load, state_matches  # noqa: E402
@@ -458,7 +460,7 @@ def render(r: dict, command: str) -> str:
     cs = r["cold_start"]
     lines += ["", "## c. Cold start to ready at 10,000 kernels", "",
               f"Process spawn to `READY=1` on `$NOTIFY_SOCKET`, sent as `/-/ready` turns 200 (interpreter start, imports, "
-              f"full scan, first analysis; the tree just built, bytecode as the checkout has it; section h times it settled): "
+              f"full scan, first analysis; the tree written back to disk and the package's bytecode compiled first, as in section h): "
               f"median **{cs['median_s']} s**, max {cs['max_s']} s over {cs['runs']} runs ({', '.join(map(str, cs['all_s']))} s); "
               f"{cs['threads_at_ready']} threads and {cs['rss_mib_at_ready']} MiB RSS at ready."]
     lines += ["", "## d. Sustained churn (in-place rewrites of random kernels' resource.txt, one scrape per second)", "",
@@ -577,6 +579,8 @@ def main(argv: list[str] | None = None) -> int:
         root = tmp / "k10000"
         log("building 10,000 kernels")
         truth = build_tree(root, 10_000)
+        settle()  # the tree's dirty pages written back, not left to share the cores with the starts
+        compile_bytecode()
         log("c. cold start")
         r["cold_start"] = stage_cold_start(root, 2 if quick else 5)
         ex = ExporterProcess(root)

@@ -36,7 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import REPO, ExporterProcess, build_tree, percentile, proc_rss_bytes  # noqa: E402
+from common import REPO, ExporterProcess, build_tree, compile_bytecode, percentile, proc_rss_bytes, settle  # noqa: E402
 from run import NodeExporter, Timed  # noqa: E402
 
 MIB = 1 << 20
@@ -59,21 +59,6 @@ def cold_starts(root: Path, runs: int, compare: Path | None = None) -> dict[str,
             out[via].append(ex.ready_seconds)
             ex.stop()
     return out
-
-
-def settle() -> None:
-    """Write a freshly built tree back to disk before timing: its ~30,000 dirty pages are otherwise
-    flushed by the kernel's writeback threads during the first starts, on the same 2 cores (the
-    first of 7 starts took up to 1.8 s, the last 0.9 s)."""
-    os.sync()
-    time.sleep(2)
-
-
-def compile_bytecode() -> None:
-    """Compile the package's bytecode, as ``pip install`` and the container image do: where
-    PYTHONDONTWRITEBYTECODE is set and the package is an editable checkout, every start would
-    otherwise compile ~70 modules from source (~0.1 s of each start)."""
-    subprocess.run([sys.executable, "-m", "compileall", "-q", str(REPO / "exporter")], check=True)
 
 
 def idle_rss(root: Path, seconds: float) -> float:
