@@ -1,9 +1,11 @@
-"""A large forced scan's reads, made by a forked helper process while this one parses.
+"""A large forced scan's reads, shared with a forked helper process while this one parses.
 
 At 10,000 kernels the scan at start spends ~0.17 s in the system calls that open, stat and read
 each kernel's two config files, and ~0.3 s parsing and booking them: all of it on one core, under
-the GIL. :func:`read_batches` forks a child that makes the reads and streams them back through a
-pipe, batch by batch, so that on a machine with a second core the reading overlaps the parsing.
+the GIL. :func:`read_batches` forks a child that reads from the front of the list and streams its
+batches back through a pipe, so that on a machine with a second core the reading overlaps the
+parsing. Whenever no batch of the child's is waiting, this process reads one itself, from the back
+of the list: when the other core is busy elsewhere, the scan is no slower than without the child.
 
 The child only makes system calls, pickles and writes (no logging, no locks, no threads of its
 own), so it is safe to fork from a process whose other threads may hold locks. Whatever it did not
@@ -16,6 +18,7 @@ from __future__ import annotations
 import fcntl
 import os
 import pickle
+import select
 import signal
 import struct
 import threading
@@ -35,18 +38,16 @@ _PIPE_BYTES = 1 << 20
 
 
 def read_batches(read: Callable[[str], T], kernels: Sequence[str], batch: int) -> Iterator[tuple[Sequence[str], list[T]]]:
-    """``(kernel ids, [read(id) for each])`` for every kernel, in order, ``batch`` at a time.
+    """``(kernel ids, [read(id) for each])``, ``batch`` at a time, each kernel exactly once (not
+    necessarily in order).
 
-    With at least :data:`MIN_KERNELS` kernels and a second CPU, the reads are made by a forked
-    child ahead of the caller. ``read`` must only read (it also runs in the child), and its
-    results must pickle.
+    With at least :data:`MIN_KERNELS` kernels and a second CPU, a forked child shares the reads.
+    ``read`` must only read (it also runs in the child), and its results must pickle.
     """
-    done = 0
     if len(kernels) >= MIN_KERNELS and _cpus() > 1:
-        for ids, reads in _from_child(read, kernels, batch):
-            yield ids, reads
-            done += len(ids)
-    for start in range(done, len(kernels), batch):
+        yield from _shared(read, kernels, batch)
+        return
+    for start in range(0, len(kernels), batch):
         ids = kernels[start : start + batch]
         yield ids, [read(kernel_id) for kernel_id in ids]
 
@@ -58,49 +59,79 @@ def _cpus() -> int:
         return os.cpu_count() or 1
 
 
-def _from_child(read: Callable[[str], T], kernels: Sequence[str], batch: int) -> Iterator[tuple[Sequence[str], list[T]]]:
-    """The batches a forked child delivers whole; nothing if it cannot be forked."""
+def _shared(read: Callable[[str], T], kernels: Sequence[str], batch: int) -> Iterator[tuple[Sequence[str], list[T]]]:
+    """The child's batches from the front as they arrive; this process's own from the back while
+    none is waiting; all of it here if the child cannot be forked or stops delivering."""
+    front, back = 0, len(kernels)  # the child's batches cover [0, front); this process's [back, n)
     try:
         r, w = os.pipe2(os.O_CLOEXEC)
     except OSError:
-        return
+        r = w = -1
+    pid = -1
+    if r >= 0:
+        try:
+            pid = os.fork()
+        except OSError:  # EAGAIN, ENOMEM, a seccomp filter: read everything here
+            os.close(r)
+            os.close(w)
+            r = -1
+        if pid == 0:
+            _child(r, w, read, kernels, batch)  # never returns
     try:
-        pid = os.fork()
-    except OSError:  # EAGAIN, ENOMEM, a seccomp filter: the caller reads everything itself
-        os.close(r)
-        os.close(w)
-        return
-    if pid == 0:
-        _child(r, w, read, kernels, batch)  # never returns
-    os.close(w)
-    done = 0
-    try:
-        with open(r, "rb") as pipe:  # buffered: a read(n) returns n bytes, or fewer only at the end
-            while done < len(kernels) and len(header := pipe.read(_HEADER.size)) == _HEADER.size:
-                (size,) = _HEADER.unpack(header)
-                data = pipe.read(size)
-                if len(data) != size:
-                    return  # the child died mid-batch
-                reads = pickle.loads(data)
-                ids = kernels[done : done + len(reads)]
-                done += len(reads)
-                yield ids, reads
+        if r >= 0:
+            os.close(w)
+            waiting = select.poll()
+            waiting.register(r, select.POLLIN)
+            while front < back:
+                if waiting.poll(0):
+                    reads = _receive(r)
+                    if reads is None:
+                        break  # the child ended (died, or sent a torn batch): the rest is read here
+                    reads = reads[: back - front]  # the end of its last batch may be read here already
+                    yield kernels[front : front + len(reads)], reads
+                    front += len(reads)
+                else:
+                    start = max(front, back - batch)
+                    yield kernels[start:back], [read(kernel_id) for kernel_id in kernels[start:back]]
+                    back = start
+        while front < back:
+            start = max(front, back - batch)
+            yield kernels[start:back], [read(kernel_id) for kernel_id in kernels[start:back]]
+            back = start
     finally:
-        if done < len(kernels):
-            # The caller stopped early or the child failed: never wait on a child that may be
+        if r >= 0:
+            os.close(r)  # a child still writing gets EPIPE
+        if pid > 0:
+            # Whatever it still has to do is done or not needed: never wait on a child that may be
             # stuck in a read (a hung network mount) or blocked on the pipe.
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        _reap(pid)
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:  # reaped already: SIGCHLD is set to SIG_IGN
+                pass
 
 
-def _reap(pid: int) -> None:
-    try:
-        os.waitpid(pid, 0)
-    except ChildProcessError:  # reaped already: SIGCHLD is set to SIG_IGN
-        pass
+def _receive(fd: int) -> list | None:
+    """One batch from the child, or None at the end of its output (or a torn batch)."""
+    header = _read_exactly(fd, _HEADER.size)
+    if header is None:
+        return None
+    data = _read_exactly(fd, _HEADER.unpack(header)[0])
+    return None if data is None else pickle.loads(data)
+
+
+def _read_exactly(fd: int, size: int) -> bytes | None:
+    chunks, left = [], size
+    while left:
+        chunk = os.read(fd, left)
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
 
 
 def _child(r: int, w: int, read: Callable[[str], T], kernels: Sequence[str], batch: int) -> None:

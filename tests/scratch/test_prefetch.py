@@ -17,6 +17,7 @@ from exporter.scratch.allocation import AllocationBook
 from exporter.scratch.reader import Scanner
 
 KERNELS = [f"k{i:04d}" for i in range(300)]
+PARENT = os.getpid()
 
 
 @pytest.fixture
@@ -51,15 +52,33 @@ def by_whom(kernel_id: str) -> tuple[str, int]:
     return kernel_id, os.getpid()
 
 
-def test_the_helper_reads_every_kernel_in_order_and_leaves_nothing_behind(helper) -> None:
+def paced(kernel_id: str) -> tuple[str, int]:
+    """A read that takes 1 ms in the helper and 5 ms here: the helper gets ahead of this process."""
+    time.sleep(0.005 if os.getpid() == PARENT else 0.001)
+    return by_whom(kernel_id)
+
+
+def flatten(batches) -> list[tuple[str, int]]:
+    out = []
+    for ids, reads in batches:
+        assert [k for k, _ in reads] == list(ids)
+        out += reads
+    return out
+
+
+def test_the_helper_reads_from_the_front_this_process_from_the_back_each_kernel_once(helper) -> None:
     fds = open_fds()
-    batches = list(prefetch.read_batches(by_whom, KERNELS, 64))
-    assert [len(ids) for ids, _ in batches] == [64, 64, 64, 64, 44]
-    reads = [r for ids, rs in batches for r in rs]
-    assert [k for k, _ in reads] == KERNELS == [k for ids, _ in batches for k in ids]
-    assert {pid for _, pid in reads} - {os.getpid()}, "a helper process made the reads"
+    reads = dict(flatten(prefetch.read_batches(paced, KERNELS, 8)))
+    assert sorted(reads) == KERNELS  # each exactly once: a dict would hide a repeat, the list below not
+    assert reads[KERNELS[0]] != PARENT  # the helper's first batch
+    assert reads[KERNELS[-1]] == PARENT  # read here while no batch of the helper's was waiting
     assert open_fds() == fds
     assert reaped(helper)
+
+
+def test_each_kernel_is_read_once_where_the_two_meet(helper) -> None:
+    reads = flatten(prefetch.read_batches(paced, KERNELS, 7))  # batches that straddle the meeting point
+    assert sorted(k for k, _ in reads) == KERNELS
 
 
 def test_small_scans_and_one_cpu_read_in_process(monkeypatch) -> None:
@@ -71,29 +90,25 @@ def test_small_scans_and_one_cpu_read_in_process(monkeypatch) -> None:
 
 
 def test_a_helper_that_dies_midway_costs_nothing(helper) -> None:
-    parent = os.getpid()
-
     def dies_at_k0100(kernel_id: str) -> tuple[str, int]:
-        if kernel_id == "k0100" and os.getpid() != parent:
+        if kernel_id == "k0100" and os.getpid() != PARENT:
             os._exit(9)  # killed (OOM, a signal) in the middle of a batch
-        return by_whom(kernel_id)
+        return paced(kernel_id)
 
-    reads = [r for _, rs in prefetch.read_batches(dies_at_k0100, KERNELS, 64) for r in rs]
-    assert [k for k, _ in reads] == KERNELS
-    assert {pid for k, pid in reads if k < "k0064"} != {parent}  # the first batch came from the helper
-    assert {pid for k, pid in reads if k >= "k0064"} == {parent}  # the torn one, and the rest, read here
+    reads = flatten(prefetch.read_batches(dies_at_k0100, KERNELS, 8))
+    assert sorted(k for k, _ in reads) == KERNELS
+    by_helper = {k for k, pid in reads if pid != PARENT}
+    assert by_helper and max(by_helper) < "k0096"  # whole batches before the torn one
     assert reaped(helper)
 
 
 def test_a_helper_whose_read_raises_hands_the_rest_back(helper) -> None:
-    parent = os.getpid()
-
     def raises(kernel_id: str) -> tuple[str, int]:
-        if os.getpid() != parent:
+        if os.getpid() != PARENT:
             raise MemoryError
         return by_whom(kernel_id)
 
-    assert [r for _, rs in prefetch.read_batches(raises, KERNELS, 64) for r in rs] == [(k, parent) for k in KERNELS]
+    assert sorted(flatten(prefetch.read_batches(raises, KERNELS, 64))) == [(k, PARENT) for k in KERNELS]
 
 
 def test_no_fork_no_helper(helper, monkeypatch) -> None:
@@ -102,7 +117,7 @@ def test_no_fork_no_helper(helper, monkeypatch) -> None:
 
     monkeypatch.setattr(prefetch.os, "fork", refused)
     fds = open_fds()
-    assert [r for _, rs in prefetch.read_batches(by_whom, KERNELS, 64) for r in rs] == [(k, os.getpid()) for k in KERNELS]
+    assert sorted(flatten(prefetch.read_batches(by_whom, KERNELS, 64))) == [(k, PARENT) for k in KERNELS]
     assert open_fds() == fds
 
 
@@ -116,10 +131,8 @@ def test_a_caller_that_stops_early_leaves_no_child_or_descriptor(helper) -> None
 
 
 def test_a_caller_that_stops_early_does_not_wait_for_a_stuck_helper(helper) -> None:
-    parent = os.getpid()
-
     def hangs_at_k0100(kernel_id: str) -> tuple[str, int]:
-        if kernel_id == "k0100" and os.getpid() != parent:
+        if kernel_id == "k0100" and os.getpid() != PARENT:
             time.sleep(3600)  # a read on a hung network mount
         return by_whom(kernel_id)
 
