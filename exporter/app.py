@@ -315,7 +315,7 @@ class Exporter:
 
     def _read_labels(self) -> None:
         """One list request; each kernel without a readable recovery.json takes its labels' identity."""
-        from exporter.scratch.containers import ContainerListError  # loaded by __init__: a lookup
+        from exporter.scratch.containers import ContainerListError  # imported by __init__ already
 
         started = self._monotonic()
         try:

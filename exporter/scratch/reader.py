@@ -300,7 +300,7 @@ class Scanner:
         # The same for recovery.json, which the agent rewrites for every kernel at once.
         self._seen_identity: dict[str, _Signature | None] = {}
         # The inotify reader and the rescan worker both refresh; serialising read+apply keeps an
-        # older read from landing after a newer one. Reentrant: a scan holds it over a batch.
+        # older read from landing after a newer one. Reentrant: a forced scan holds it throughout.
         self._lock = threading.RLock()
 
     def refresh(self, root: str, kernel_id: str, closed: bool = False) -> None:
