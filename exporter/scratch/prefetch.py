@@ -63,41 +63,25 @@ def _shared(read: Callable[[str], T], kernels: Sequence[str], batch: int) -> Ite
     """The child's batches from the front as they arrive; this process's own from the back while
     none is waiting; all of it here if the child cannot be forked or stops delivering."""
     front, back = 0, len(kernels)  # the child's batches cover [0, front); this process's [back, n)
-    try:
-        r, w = os.pipe2(os.O_CLOEXEC)
-    except OSError:
-        r = w = -1
-    pid = -1
-    if r >= 0:
-        try:
-            pid = os.fork()
-        except OSError:  # EAGAIN, ENOMEM, a seccomp filter: read everything here
-            os.close(r)
-            os.close(w)
-            r = -1
-        if pid == 0:
-            _child(r, w, read, kernels, batch)  # never returns
+    r, pid = _fork_child(read, kernels, batch)
     try:
         if r >= 0:
-            os.close(w)
             waiting = select.poll()
             waiting.register(r, select.POLLIN)
-            while front < back:
-                if waiting.poll(0):
-                    reads = _receive(r)
-                    if reads is None:
-                        break  # the child ended (died, or sent a torn batch): the rest is read here
-                    reads = reads[: back - front]  # the end of its last batch may be read here already
-                    yield kernels[front : front + len(reads)], reads
-                    front += len(reads)
-                else:
-                    start = max(front, back - batch)
-                    yield kernels[start:back], [read(kernel_id) for kernel_id in kernels[start:back]]
-                    back = start
         while front < back:
-            start = max(front, back - batch)
-            yield kernels[start:back], [read(kernel_id) for kernel_id in kernels[start:back]]
-            back = start
+            if r >= 0 and waiting.poll(0):
+                reads = _receive(r)
+                if reads is None:  # the child ended (died, or sent a torn batch): the rest is read here
+                    os.close(r)
+                    r = -1
+                    continue
+                reads = reads[: back - front]  # the end of its last batch may be read here already
+                yield kernels[front : front + len(reads)], reads
+                front += len(reads)
+            else:
+                start = max(front, back - batch)
+                yield kernels[start:back], [read(kernel_id) for kernel_id in kernels[start:back]]
+                back = start
     finally:
         if r >= 0:
             os.close(r)  # a child still writing gets EPIPE
@@ -112,6 +96,25 @@ def _shared(read: Callable[[str], T], kernels: Sequence[str], batch: int) -> Ite
                 os.waitpid(pid, 0)
             except ChildProcessError:  # reaped already: SIGCHLD is set to SIG_IGN
                 pass
+
+
+def _fork_child(read: Callable[[str], T], kernels: Sequence[str], batch: int) -> tuple[int, int]:
+    """(the read end of the child's pipe, its pid), or (-1, -1) where it cannot be forked
+    (EAGAIN, ENOMEM, a seccomp filter): then this process reads everything."""
+    try:
+        r, w = os.pipe2(os.O_CLOEXEC)
+    except OSError:
+        return -1, -1
+    try:
+        pid = os.fork()
+    except OSError:
+        os.close(r)
+        os.close(w)
+        return -1, -1
+    if pid == 0:
+        _child(r, w, read, kernels, batch)  # never returns
+    os.close(w)
+    return r, pid
 
 
 def _receive(fd: int) -> list | None:

@@ -19,6 +19,7 @@ import stat
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -399,11 +400,9 @@ class Scanner:
     def _restat(self, root: str, kernels: Sequence[str]) -> None:
         """Re-read only the files whose signature changed since their last read (a safety-net
         rescan: at 10,000 kernels, 20,000 stats, made relative to the root opened once)."""
-        try:
-            root_fd = os.open(root, _ROOT_DIR)
-        except OSError:
-            return  # gone or unreadable since its listing: the next scan says so
-        try:
+        with _opened_root(root) as root_fd:
+            if root_fd is None:
+                return  # gone or unreadable since its listing: the next scan says so
             for kernel_id in kernels:
                 # Compared outside the lock: a change in between is re-read (here, or by its event).
                 sig = _signature(f"{kernel_id}/{_RESOURCE_PATH}", root_fd)
@@ -412,9 +411,6 @@ class Scanner:
                 sig = _signature(f"{kernel_id}/{_CONFIG}/{RECOVERY_FILE}", root_fd)
                 if sig is not None and self._seen_identity.get(kernel_id) != sig:
                     self.refresh_identity(root, kernel_id)
-        finally:
-            os.close(root_fd)
-
 
     def _read_all(self, root: str, kernels: Sequence[str]) -> None:
         """Read and land every kernel's two files (a forced scan).
@@ -425,24 +421,28 @@ class Scanner:
         over a newer one (forced scans run at start, before events are served: nothing waits).
         """
         both = self._files(_RESOURCE, RECOVERY_FILE)
-        try:
-            root_fd = os.open(root, _ROOT_DIR)  # once for every kernel's reads
-        except OSError:
-            root_fd = None  # each read opens it again and says why it cannot
-        try:
-            with self._lock:
-                now = self._clock()  # before every read: a file older than the settle time is closed
-                for batch, reads in read_batches(lambda kernel_id: _read_config(root, kernel_id, both, root_fd), kernels, _SCAN_BATCH):
-                    changed = []
-                    for kernel_id, (resource, identity) in zip(batch, reads, strict=True):
-                        sig = _read_signature(resource, root, kernel_id, _RESOURCE)
-                        changed.append((kernel_id, self._land(root, kernel_id, now, resource, sig, False)))
-                        self._land_identity(root, kernel_id, identity, _read_signature(identity, root, kernel_id, RECOVERY_FILE))
-                    for kernel_id, kernel in changed:
-                        _log_invalid(kernel_id, kernel)
-        finally:
-            if root_fd is not None:
-                os.close(root_fd)
+        # Opened once for every kernel's reads; None: each read opens it again and says why it cannot.
+        with _opened_root(root) as root_fd, self._lock:
+            now = self._clock()  # before every read: a file older than the settle time is closed
+            for batch, reads in read_batches(lambda kernel_id: _read_config(root, kernel_id, both, root_fd), kernels, _SCAN_BATCH):
+                for kernel_id, (resource, identity) in zip(batch, reads, strict=True):
+                    sig = _read_signature(resource, root, kernel_id, _RESOURCE)
+                    _log_invalid(kernel_id, self._land(root, kernel_id, now, resource, sig, False))
+                    self._land_identity(root, kernel_id, identity, _read_signature(identity, root, kernel_id, RECOVERY_FILE))
+
+
+@contextmanager
+def _opened_root(root: str) -> Iterator[int | None]:
+    """A descriptor of the scratch root for relative opens and stats (None where it cannot be opened)."""
+    try:
+        fd = os.open(root, _ROOT_DIR)
+    except OSError:
+        yield None
+        return
+    try:
+        yield fd
+    finally:
+        os.close(fd)
 
 
 def _log_invalid(kernel_id: str, changed: Kernel | None) -> None:

@@ -358,11 +358,12 @@ class HttpServer:
 
         It sleeps while no connection is silent: four wake-ups a second of an idle exporter cost
         ~0.1 % of a core, more than the scrapes it answers."""
+        wanted = self._sweep_wanted
+        assert wanted is not None
         while True:
-            assert self._sweep_wanted is not None
             if not self._silent:
-                self._sweep_wanted.clear()
-                await self._sweep_wanted.wait()
+                wanted.clear()
+                await wanted.wait()
             await asyncio.sleep(_SWEEP_INTERVAL)
             cutoff = time.monotonic() - self.limits.first_byte_timeout
             while self._silent:
