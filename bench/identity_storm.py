@@ -112,6 +112,7 @@ def storm() -> dict:
 
 def series(n: int) -> tuple[int, int]:
     from exporter.app import Exporter
+    from exporter.config import resolve
     from exporter.settings import Settings
     from exporter.telemetry.mock import DEMO_DEVICES_FILE
 
@@ -125,7 +126,7 @@ def series(n: int) -> tuple[int, int]:
         (Path(tmp) / "proc").mkdir()
         settings = Settings.load({"scratch_roots": [str(root)], "telemetry_source": "mock", "telemetry_mock_file": str(DEMO_DEVICES_FILE),
                                   "path_procfs": str(Path(tmp) / "proc"), "path_cgroupfs": tmp, "telemetry_interval": 3600})
-        exporter = Exporter(settings)
+        exporter = Exporter(resolve(settings))
         exporter.start()
         try:
             lines = [ln for ln in exporter.render().decode().splitlines() if ln and not ln.startswith("#")]

@@ -21,6 +21,7 @@ from decimal import Decimal
 from pathlib import Path
 
 from exporter.app import Exporter
+from exporter.config import resolve
 from exporter.demo import write_kernel
 from exporter.settings import Settings
 from exporter.telemetry.nvml import NvmlSource
@@ -56,7 +57,7 @@ def main() -> int:
     settings = Settings.load({"scratch_roots": [str(root)], "telemetry_source": "none",
                               "telemetry_interval": 0.2, "telemetry_timeout": 0.5})
     with fake.installed():
-        exporter = Exporter(settings, telemetry=NvmlSource(event_wait_ms=50))
+        exporter = Exporter(resolve(settings), telemetry=NvmlSource(event_wait_ms=50))
         exporter.start()
         server = HttpServer(exporter.handle, "127.0.0.1", 0)
         server.start()

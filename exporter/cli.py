@@ -13,14 +13,13 @@ unexpected (and, for ``simulate``, for a request the node would reject). A close
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import errno
 import json
 import logging
 import os
 import shutil
 import signal
-import socket
-import stat
 import sys
 import tempfile
 import threading
@@ -29,15 +28,15 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from exporter import __version__
+from exporter.config import DEFAULT_AGENT_CONFIG, Config, check_roots, headroom_params, resolve
 from exporter.logs import setup_logging
 from exporter.sdnotify import notify
-from exporter.settings import ENV_PREFIX, ConfigError, Setting, Settings, parse_listen_address
+from exporter.settings import ENV_PREFIX, FIELDS, ConfigError, Setting, Settings, parse_listen_address
 from exporter.telemetry.model import SourceConfigError
 
-__all__ = ["COMMANDS", "DEFAULT_AGENT_CONFIG", "build_parser", "load_agent_layout", "main", "run"]
+__all__ = ["COMMANDS", "DEFAULT_AGENT_CONFIG", "build_parser", "main", "run"]
 
 # Read when present and no --agent.config is given (the agent's own default location).
-DEFAULT_AGENT_CONFIG = Path("/etc/backend.ai/agent.toml")
 
 log = logging.getLogger("exporter")
 PROG = "gpu-alloc-exporter"
@@ -110,38 +109,32 @@ def main(argv: list[str] | None = None, *, default_agent_config: Path | None = N
     parser = build_parser(command)
     args = vars(parser.parse_args(argv))
     extra = {k: args.pop(k) for k in list(args) if k.startswith("cmd_")}
+    switches = {k.partition(":")[2]: extra.pop(k) for k in list(extra) if k.startswith("cmd_collector:")}
     config_file = args.pop("config_file", None)
     try:
         settings = Settings.load(args, Path(config_file) if config_file else None)
-        _check_settings(settings)
+        headroom_params(settings)  # every command refuses what serve would, before anything runs
     except ConfigError as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
     level = settings.log_level
-    if command in ("scan", "simulate") and "log_level" not in settings.model_fields_set:
+    if command in ("scan", "simulate") and "log_level" not in settings.given:
         level = "warning"  # a one-shot command's answer is its output; progress lines would be noise
     setup_logging(level, settings.log_format)
+    agent_config = default_agent_config or DEFAULT_AGENT_CONFIG
     try:
-        if command != "demo":  # the demo builds its own node; a real one's agent.toml is not its
-            layout = load_agent_layout(settings, default_agent_config or DEFAULT_AGENT_CONFIG)
-            settings = settings.model_copy(update={"scratch_roots": [Path(r) for r in layout.roots]})
+        if command == "demo":  # the demo builds its own node; a real one's agent.toml is not its
+            return _demo(settings, extra["cmd_dir"], extra["cmd_seed"], extra["cmd_time_scale"], switches)
         if command == "scan":
-            return _scan(settings, extra["cmd_output"])
-        if command == "demo":
-            return _demo(settings, extra["cmd_dir"], extra["cmd_seed"], extra["cmd_time_scale"])
+            return _scan(resolve(settings, agent_config=agent_config), extra["cmd_output"])
         if command == "simulate":
-            return _simulate(settings, extra["cmd_request"], extra["cmd_policy"], extra["cmd_state"], extra["cmd_output"], layout)
-        return serve(settings, allow_missing_root=extra["cmd_allow_missing_root"], layout=layout)
+            return _simulate(resolve(settings, agent_config=agent_config), extra["cmd_request"], extra["cmd_policy"],
+                             extra["cmd_state"], extra["cmd_output"])
+        config = resolve(settings, agent_config=agent_config, collectors=switches, web=True)
+        return serve(config, allow_missing_root=extra["cmd_allow_missing_root"])
     except (ConfigError, SourceConfigError) as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
-
-
-def _check_settings(settings: Settings) -> None:
-    """What every command validates up front, so ``scan`` refuses what ``serve`` would."""
-    from exporter.app import headroom_params
-
-    headroom_params(settings)
 
 
 def _fail(prog: str, message: str) -> NoReturn:
@@ -213,10 +206,17 @@ def build_parser(command: str) -> argparse.ArgumentParser:
                          help="seed for arrivals, amounts, ids and loads: the same seed plays the same node (default: random)")
         own.add_argument("--demo.time-scale", "--time-scale", dest="cmd_time_scale", metavar="FACTOR", type=_positive,
                          default=1.0, help="play the node's schedule this many times faster (default: 1)")
+    if command in ("serve", "demo"):
+        from exporter.metrics.collectors import collectors
+
+        switches = parser.add_argument_group("collectors", "Each collector on (--collector.NAME) or off (--no-collector.NAME).")
+        for c in collectors().values():
+            switches.add_argument(f"--collector.{c.name}", dest=f"cmd_collector:{c.name}", action=argparse.BooleanOptionalAction,
+                                  help=f"{c.help} (default: {'on' if c.default else 'off'})")
     if not own._group_actions:
         parser._action_groups.remove(own)
     groups: dict[str, argparse._ArgumentGroup] = {}
-    for name, field in Settings.model_fields.items():
+    for name, field in FIELDS.items():
         flag = field.flag
         visible = shown is None or any(flag == s or (s.endswith(".") and flag.startswith(s)) for s in shown)
         prefix = flag[2:].split(".", 1)[0]
@@ -232,31 +232,6 @@ def build_parser(command: str) -> argparse.ArgumentParser:
                 kwargs["action"] = "append"
         target.add_argument(flag, **kwargs)
     return parser
-
-
-def load_agent_layout(settings: Settings, default_agent_config: Path = DEFAULT_AGENT_CONFIG):
-    """The host's agents from the flags and agent.toml (``--agent.config``, else
-    ``default_agent_config`` when it exists); see :mod:`exporter.analysis.agents`.
-
-    :raises ConfigError: an unreadable or unusable agent.toml, named with the reason.
-    """
-    from exporter.app import agent_layout
-
-    path = settings.agent_config_file
-    if path is None and default_agent_config.is_file():
-        path = default_agent_config
-    text = None
-    if path is not None:
-        try:
-            text = path.read_text()
-        except OSError as exc:
-            raise ConfigError(f"{path}: cannot be read: {exc.strerror or exc} (set --agent.config)") from None
-        except UnicodeDecodeError:
-            raise ConfigError(f"{path}: not valid UTF-8") from None
-    layout = agent_layout(settings, text, str(path) if path else None, socket.gethostname())
-    if layout.source:
-        log.info("agents from %s: %s", layout.source, ", ".join(layout.agents) or "none")
-    return layout
 
 
 def _help(name: str, field: Setting) -> str:
@@ -315,46 +290,22 @@ def _emit(text: str) -> None:
         os.close(devnull)
 
 
-def _check_roots(settings: Settings, allow_missing: bool) -> None:
-    for root in settings.scratch_roots:
-        try:
-            is_dir = stat.S_ISDIR(os.stat(root).st_mode)
-        except FileNotFoundError:
-            if allow_missing:
-                log.warning("scratch root %s does not exist yet; waiting for it", root)
-                continue
-            is_dir = False
-        except OSError as exc:  # EACCES on a parent, ELOOP, EIO: the root cannot even be looked at
-            raise ConfigError(f"scratch root {root} cannot be read: {exc.strerror} (set --scratch.root)") from None
-        if not is_dir:
-            raise ConfigError(f"scratch root {root} is not a directory (set --scratch.root)")
-        if not os.access(root, os.R_OK | os.X_OK):
-            raise ConfigError(f"scratch root {root} is not readable by uid {os.getuid()}")
-
-
 _SWITCH_INTERVAL_SECONDS = 0.0005
 
 
-def serve(settings: Settings, *, allow_missing_root: bool = False, on_ready=None, stop: threading.Event | None = None,
-          telemetry=None, layout=None) -> int:
+def serve(config: Config, *, allow_missing_root: bool = False, on_ready=None, stop: threading.Event | None = None,
+          telemetry=None) -> int:
     """Run the exporter until SIGTERM/SIGINT (or ``stop`` is set); ``telemetry``: a ready source
-    instead of the one ``--telemetry.source`` names; ``layout``: the host's agents (default: from
-    the flags alone)."""
+    instead of the one ``--telemetry.source`` names."""
     from exporter.app import Exporter
     from exporter.web.server import HttpServer
-    from exporter.web.webconfig import WebConfigError, WebConfigFile
 
-    _check_roots(settings, allow_missing_root)
+    settings = config.settings
+    check_roots(settings, allow_missing_root)
     host, port = parse_listen_address(settings.web_listen_address)
-    web_config = None
-    if settings.web_config_file is not None:
-        web_config = WebConfigFile(settings.web_config_file)
-        try:
-            web_config.load()  # unknown keys, bad hashes, unreadable certificates: exit 2
-        except WebConfigError as exc:
-            raise ConfigError(str(exc).replace("\n", " ")) from None
-    exporter = Exporter(settings, telemetry=telemetry, layout=layout)
-    server = HttpServer(exporter.routes, host, port, web_config=web_config)  # routes: some run offloaded
+    server: HttpServer | None = None  # bound below; its counters are read only once serving
+    exporter = Exporter(config, telemetry=telemetry, server_stats=lambda: server.stats())
+    server = HttpServer(exporter.routes, host, port, web_config=config.web)  # routes: some run offloaded
     try:
         server.start()
     except OSError as exc:
@@ -390,12 +341,13 @@ def serve(settings: Settings, *, allow_missing_root: bool = False, on_ready=None
     return 0
 
 
-def _scan(settings: Settings, output: str) -> int:
+def _scan(config: Config, output: str) -> int:
+    from exporter.metrics.documents import state_document
     from exporter.scratch.allocation import AllocationBook
     from exporter.scratch.reader import Scanner
-    from exporter.web.routes import state_document
 
-    _check_roots(settings, allow_missing=False)
+    settings = config.settings
+    check_roots(settings, allow_missing=False)
     book = AllocationBook()
     scanner = Scanner(book, settings.scratch_max_file_bytes)
     for root in settings.scratch_roots:
@@ -408,7 +360,7 @@ def _scan(settings: Settings, output: str) -> int:
     return 0
 
 
-def _simulate(settings: Settings, request: str, policy: str, state_file: str | None, output: str, layout=None) -> int:
+def _simulate(config: Config, request: str, policy: str, state_file: str | None, output: str) -> int:
     """Exit 0 when the request would be placed, 1 when it would be rejected, 2 on bad input."""
     from exporter.analysis import simulate as sim
 
@@ -422,7 +374,7 @@ def _simulate(settings: Settings, request: str, policy: str, state_file: str | N
         except ValueError as exc:  # one line naming the file and the reason
             raise ConfigError(str(exc)) from None
     else:
-        state = _live_node_state(settings, layout)
+        state = _live_node_state(config)
     if not state.slots:
         if state_file:
             raise ConfigError(f"--state {state_file}: the saved state has no devices")
@@ -436,16 +388,16 @@ def _simulate(settings: Settings, request: str, policy: str, state_file: str | N
     return 0 if result.placed else 1
 
 
-def _live_node_state(settings: Settings, layout=None):
+def _live_node_state(config: Config):
     """One scan plus one telemetry sample, as the server would see them."""
     from exporter.app import Exporter
 
-    _check_roots(settings, allow_missing=False)
-    exporter = Exporter(settings, layout=layout)
+    check_roots(config.settings, allow_missing=False)
+    exporter = Exporter(config)
     exporter.start()
     try:
-        exporter.sampler.wait_for_version(0, settings.telemetry_timeout * 2)
-        return exporter.node_state()
+        exporter.sampler.wait_for_version(0, config.settings.telemetry_timeout * 2)
+        return exporter.pipeline.step().state
     finally:
         exporter.close()
 
@@ -480,20 +432,20 @@ def _positive(text: str) -> float:
     return value
 
 
-def _demo(settings: Settings, directory: str | None, seed: int | None, time_scale: float) -> int:
+def _demo(settings: Settings, directory: str | None, seed: int | None, time_scale: float, collectors: dict[str, bool]) -> int:
     """A living node (simulated NVML devices, sessions, /proc, cgroups, planted events), or with
     ``--telemetry.mock-file`` the still sample tree on those mock devices."""
     base = Path(directory) if directory else Path(tempfile.mkdtemp(prefix="gpu-alloc-demo-"))
     try:
         if settings.telemetry_mock_file is not None:
-            return _demo_still(settings, base)
-        return _demo_living(settings, base, seed, time_scale)
+            return _demo_still(settings, base, collectors)
+        return _demo_living(settings, base, seed, time_scale, collectors)
     finally:
         if directory is None:  # a temporary tree of our own: leave nothing behind
             shutil.rmtree(base, ignore_errors=True)
 
 
-def _demo_living(settings: Settings, base: Path, seed: int | None, time_scale: float) -> int:
+def _demo_living(settings: Settings, base: Path, seed: int | None, time_scale: float, collectors: dict[str, bool]) -> int:
     import random
 
     from exporter.demo.node import LivingNode
@@ -506,8 +458,8 @@ def _demo_living(settings: Settings, base: Path, seed: int | None, time_scale: f
                               "agent_id": node.agent_id}
     # fGPU capacity comes from the simulated CUDA driver's SM counts, as on a real node.
     defaults = {"telemetry_interval": 2.0, "telemetry_pcie": True, "stale_grace": 60.0 / time_scale}
-    update.update({k: v for k, v in defaults.items() if k not in settings.model_fields_set})
-    settings = settings.model_copy(update=update)
+    update.update({k: v for k, v in defaults.items() if k not in settings.given})
+    settings = dataclasses.replace(settings, **update, given=settings.given | update.keys())
 
     def announce(exporter, server) -> None:
         node.begin()  # demo second 0: the exporter is ready
@@ -515,24 +467,25 @@ def _demo_living(settings: Settings, base: Path, seed: int | None, time_scale: f
         _print_urls(settings, server, node.base)
 
     with node.running():
-        return serve(settings, on_ready=announce, telemetry=NvmlSource(pcie=settings.telemetry_pcie))
+        config = resolve(settings, collectors=collectors, web=True)
+        return serve(config, on_ready=announce, telemetry=NvmlSource(pcie=settings.telemetry_pcie))
 
 
-def _demo_still(settings: Settings, base: Path) -> int:
+def _demo_still(settings: Settings, base: Path, collectors: dict[str, bool]) -> int:
     from exporter.demo import build_demo_tree
 
     root, cgroups = base / "scratches", base / "cgroup"
     build_demo_tree(root, cgroups)
     update: dict[str, Any] = {"scratch_roots": [root], "path_cgroupfs": cgroups, "stale_grace": 60.0}
-    if "telemetry_source" not in settings.model_fields_set:  # a device file given means: serve those devices
+    if "telemetry_source" not in settings.given:  # a device file given means: serve those devices
         update["telemetry_source"] = "mock"
-    settings = settings.model_copy(update=update)
+    settings = dataclasses.replace(settings, **update, given=settings.given | update.keys())
 
     def announce(exporter, server) -> None:
         print(f"gpu-alloc-exporter demo: sample scratch root at {root}, mock devices from {settings.telemetry_mock_file}", flush=True)
         _print_urls(settings, server, base)
 
-    return serve(settings, on_ready=announce)
+    return serve(resolve(settings, collectors=collectors, web=True), on_ready=announce)
 
 
 def _print_urls(settings: Settings, server, base: Path) -> None:

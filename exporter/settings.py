@@ -4,7 +4,8 @@ Precedence, highest first: command-line flags, ``GPU_ALLOC_EXPORTER_*`` environm
 the ``--config.file`` (YAML or TOML, keys as the field names below or as the flags without
 dashes), then defaults. Every field declares its Prometheus-style dotted flag, help text and bounds
 in a :class:`Setting` inside its ``Annotated`` type; :mod:`exporter.cli` builds the argument parser
-from :attr:`Settings.model_fields`, so a new setting needs no CLI code.
+from :data:`FIELDS`, so a new setting needs no CLI code. A changed copy is
+``dataclasses.replace(settings, ...)``; :attr:`Settings.given` says which were set explicitly.
 
 Plain dataclasses and a small coercion layer (:meth:`Setting.coerce`) rather than pydantic: that
 import alone cost ~19 MiB and ~0.2 s of a start that must stay under 1 s and 60 MiB. The coercion
@@ -25,7 +26,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal
+from types import MappingProxyType
+from typing import Annotated, Any, Literal
+
+from exporter.files import MAX_FILE_BYTES, FileReadError, read_text
 
 __all__ = ["DEFAULT_PORT", "ENV_PREFIX", "ConfigError", "Setting", "Settings", "load_config_file", "parse_listen_address"]
 
@@ -51,7 +55,7 @@ def parse_listen_address(address: str) -> tuple[str, int]:
 @dataclass(frozen=True)
 class Setting:
     """One setting: declared in a field's ``Annotated`` type with its flag, help text and bounds;
-    :attr:`Settings.model_fields` holds copies completed with the field's name, type and default.
+    :data:`FIELDS` holds copies completed with the field's name, type and default.
 
     :param flag: the dotted command-line flag (``--scratch.root``); without dashes, the config-file key.
     :param description: the help text (``--help`` shows its first ``; `` clause, the docs all of it).
@@ -96,7 +100,7 @@ class Settings:
 
     Build it from user input with :meth:`load`. Calling ``Settings(name=value, ...)`` takes the
     values as they are (typed already: no coercion, bounds or combination checks), as tests and
-    the demo do; the names given become :attr:`model_fields_set`.
+    the demo do; the names given become :attr:`given`.
     """
 
     scratch_roots: Annotated[list[Path], Setting(
@@ -214,11 +218,13 @@ class Settings:
     log_level: Annotated[Literal["debug", "info", "warning", "error"], Setting("--log.level", "log level")] = "info"
     log_format: Annotated[Literal["logfmt", "json"], Setting("--log.format", "log line format")] = "logfmt"
 
-    #: Every setting by field name, in declaration order (the order of ``--help`` and of errors).
-    model_fields: ClassVar[Mapping[str, Setting]]
+    #: The settings given explicitly (a flag, variable or file key; a keyword), as opposed to
+    #: left at their defaults. ``dataclasses.replace`` keeps it unless it is replaced too.
+    given: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
 
     def __init__(self, **values: Any) -> None:
-        unknown = values.keys() - self.model_fields.keys()
+        given = values.pop("given", None)
+        unknown = values.keys() - FIELDS.keys()
         if unknown:
             raise TypeError(f"unknown settings: {', '.join(sorted(unknown))}")
         for f in dataclasses.fields(self):
@@ -227,25 +233,7 @@ class Settings:
             else:
                 value = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
             object.__setattr__(self, f.name, value)
-        object.__setattr__(self, "_fields_set", frozenset(values))
-
-    @property
-    def model_fields_set(self) -> frozenset[str]:
-        """The settings given explicitly (a flag, variable or file key; a keyword; a copy's update),
-        as opposed to left at their defaults."""
-        return self._fields_set
-
-    def model_copy(self, *, update: Mapping[str, Any] | None = None) -> Settings:
-        """A copy with ``update`` applied as given (no coercion or checks); its names join
-        :attr:`model_fields_set`."""
-        update = dict(update or {})
-        unknown = update.keys() - self.model_fields.keys()
-        if unknown:
-            raise TypeError(f"unknown settings: {', '.join(sorted(unknown))}")
-        copy = object.__new__(type(self))
-        copy.__dict__.update(self.__dict__, **update)
-        object.__setattr__(copy, "_fields_set", self._fields_set | update.keys())
-        return copy
+        object.__setattr__(self, "given", frozenset(values) if given is None else frozenset(given))
 
     @classmethod
     def load(cls, flags: Mapping[str, Any], config_file: Path | None = None) -> Settings:
@@ -255,7 +243,7 @@ class Settings:
         :raises ConfigError: one line naming each wrong value's flag (prefixed with the variable
             or file it came from) and the reason.
         """
-        unknown = flags.keys() - cls.model_fields.keys()
+        unknown = flags.keys() - FIELDS.keys()
         if unknown:
             raise ConfigError(f"unknown setting {sorted(unknown)[0]!r}")
         # Lowest precedence first, so that a higher source replaces the value and its origin.
@@ -266,7 +254,7 @@ class Settings:
         given.update((name, (value, "")) for name, value in flags.items())
         values: dict[str, Any] = {}
         errors = []
-        for name, setting in cls.model_fields.items():  # every error, in declaration order
+        for name, setting in FIELDS.items():  # every error, in declaration order
             if name in given:
                 value, origin = given[name]
                 try:
@@ -290,6 +278,8 @@ def _settings_fields(cls: type) -> dict[str, Setting]:
     hints = typing.get_type_hints(cls, include_extras=True)
     out = {}
     for f in dataclasses.fields(cls):
+        if f.name == "given":
+            continue
         annotation, *meta = typing.get_args(hints[f.name])
         (setting,) = (m for m in meta if isinstance(m, Setting))
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
@@ -297,13 +287,14 @@ def _settings_fields(cls: type) -> dict[str, Setting]:
     return out
 
 
-Settings.model_fields = _settings_fields(Settings)
+#: Every setting by field name, in declaration order (the order of ``--help`` and of errors).
+FIELDS: Mapping[str, Setting] = MappingProxyType(_settings_fields(Settings))
 
 
 def _environment() -> dict[str, str]:
     """Settings set as ``GPU_ALLOC_EXPORTER_<NAME>`` variables; the names match in any case."""
     environ = {key.upper(): value for key, value in os.environ.items()}
-    return {name: environ[key] for name in Settings.model_fields if (key := f"{ENV_PREFIX}{name.upper()}") in environ}
+    return {name: environ[key] for name in FIELDS if (key := f"{ENV_PREFIX}{name.upper()}") in environ}
 
 
 # -- coercion: pydantic's lax rules and words, for the types the settings use ----------------------
@@ -414,15 +405,44 @@ def _path(value: Any) -> Path:
 _SCALARS: dict[Any, Callable[[Any], Any]] = {str: _str, bool: _bool, int: _int, float: _float, Decimal: _decimal, Path: _path}
 
 
+# -- files the user names -----------------------------------------------------------------------
+
+def read_config_text(path: Path, flag: str, limit: int = MAX_FILE_BYTES) -> str:
+    """The text of a file a setting names, read by :func:`exporter.files.read_text` (a regular
+    file only, never a blocking open, at most ``limit`` bytes, UTF-8).
+
+    :raises ConfigError: one line naming the file, the flag and the reason.
+    """
+    try:
+        return read_text(path, limit)
+    except FileReadError as exc:
+        raise ConfigError(f"{exc} (set {flag})") from None
+
+
+def optional_file(path: Path, flag: str) -> Path | None:
+    """``path`` if it exists, None if it (or a directory above it) does not; a default the
+    service user cannot reach is an error, never a traceback or a silent skip.
+
+    :raises ConfigError: naming the file, the flag and the reason.
+    """
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        return None
+    except NotADirectoryError:
+        return None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot be read by uid {os.getuid()}: {exc.strerror or 'unreadable'} "
+                          f"(grant read access, or set {flag})") from None
+    return path
+
+
 # -- the config file ----------------------------------------------------------------------------
 
 
 def load_config_file(path: Path) -> dict[str, Any]:
     """Read a YAML or TOML config file; keys may be field names or flag names without dashes."""
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(f"{path}: {exc.strerror or exc}") from None
+    text = read_config_text(path, "--config.file")
     import tomllib
 
     import yaml  # here: PyYAML costs ~20 ms of every start without a config file (tomllib ~4 ms)
@@ -440,11 +460,11 @@ def load_config_file(path: Path) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of settings")
-    by_flag = {s.flag.lstrip("-"): name for name, s in Settings.model_fields.items()}
+    by_flag = {s.flag.lstrip("-"): name for name, s in FIELDS.items()}
     out: dict[str, Any] = {}
-    for key, value in _flatten(data, by_flag.keys() | Settings.model_fields.keys()):
+    for key, value in _flatten(data, by_flag.keys() | FIELDS.keys()):
         name = by_flag.get(key) or key.replace("-", "_").replace(".", "_")
-        if name not in Settings.model_fields:
+        if name not in FIELDS:
             raise ConfigError(f"{path}: unknown setting {key!r}")
         out[name] = value
     return out

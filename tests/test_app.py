@@ -10,7 +10,9 @@ from pathlib import Path
 
 from helpers import FakeDocker, container, wait_for
 
-from exporter.app import STALE_CHECK_SECONDS, Exporter
+from exporter.analysis.pipeline import STALE_CHECK_SECONDS
+from exporter.app import Exporter
+from exporter.config import resolve
 from exporter.demo import write_kernel, write_recovery
 from exporter.settings import Settings
 from exporter.telemetry.model import NullSource
@@ -27,21 +29,21 @@ def test_stale_kernels_leaving_the_figures_is_logged_once(tmp_path: Path, caplog
     settings = Settings.load({"scratch_roots": [str(root)], "path_cgroupfs": str(cgroup), "stale_grace": 0,
                               "telemetry_source": "none", "telemetry_interval": 3600})
     now = [1000.0]
-    exporter = Exporter(settings, clock=lambda: now[0], monotonic=lambda: now[0], telemetry=NullSource())
-    caplog.set_level(logging.INFO, logger="exporter.app")
+    exporter = Exporter(resolve(settings), clock=lambda: now[0], monotonic=lambda: now[0], telemetry=NullSource())
+    caplog.set_level(logging.INFO, logger="exporter.analysis.pipeline")
     exporter.start()
     try:
         now[0] += 600
-        exporter._analyse()
+        exporter.pipeline.step()
         lines = [r.getMessage() for r in caplog.records if "stale" in r.getMessage()]
         assert lines == ["1 kernel(s) stale, their allocations left out of the allocated and headroom figures: k-gone (container-gone)"]
         for _ in range(3):  # judged again and again: said once
             now[0] += STALE_CHECK_SECONDS
-            exporter._analyse()
+            exporter.pipeline.step()
         assert len([r for r in caplog.records if "stale" in r.getMessage()]) == 1
         (cgroup / "system.slice" / f"docker-{GONE}.scope").mkdir()  # the container is back
         now[0] += STALE_CHECK_SECONDS
-        exporter._analyse()
+        exporter.pipeline.step()
         assert caplog.records[-1].getMessage() == "1 kernel(s) live again, their allocations counted again: k-gone (container-running)"
     finally:
         exporter.close()
@@ -57,14 +59,17 @@ def test_docker_labels_name_kernels_without_recovery_json_and_recovery_json_wins
     docker = FakeDocker(tmp_path / "docker.sock", [container(old, label_sid), container(new, label_sid)])
     settings = Settings.load({"scratch_roots": [str(root)], "telemetry_source": "none", "telemetry_interval": 3600,
                               "identity_docker_socket": str(docker.path), "identity_docker_interval": 0.05})
-    exporter = Exporter(settings, telemetry=NullSource())
+    exporter = Exporter(resolve(settings), telemetry=NullSource())
     caplog.set_level(logging.INFO, logger="exporter.app")
     exporter.start()
     try:
+        # Readiness never waits on this opt-in source; its first read follows at once.
+        wait_for(lambda: exporter.book.view().kernels[old].identity is not None, timeout=5)
         kernels = exporter.book.view().kernels
-        assert kernels[old].identity.session_id == label_sid  # named before readiness
+        assert kernels[old].identity.session_id == label_sid
         assert kernels[new].identity.session_id == file_sid
-        assert 'gpu_alloc_collector_success{collector="docker-labels"} 1.0' in exporter.collector.render().decode()
+        wait_for(lambda: 'gpu_alloc_collector_success{collector="docker-labels"} 1.0' in exporter.collector.render().decode(),
+                 timeout=5)
         docker.close()  # the daemon goes away: a metric and one log line, the identities stay
         wait_for(lambda: 'collector="docker-labels"} 0.0' in exporter.collector.render().decode(), timeout=5)
         time.sleep(0.2)  # several more failed reads
@@ -104,11 +109,12 @@ def test_a_docker_socket_missing_from_the_start_is_said_once(tmp_path: Path, cap
     write_kernel(root, "k1", {"cuda.shares": {"GPU-a": Decimal("0.5")}}, container_id=LIVE)
     settings = Settings.load({"scratch_roots": [str(root)], "telemetry_source": "none", "telemetry_interval": 3600,
                               "identity_docker_socket": str(tmp_path / "absent.sock"), "identity_docker_interval": 0.02})
-    exporter = Exporter(settings, telemetry=NullSource())
+    exporter = Exporter(resolve(settings), telemetry=NullSource())
     caplog.set_level(logging.INFO, logger="exporter.app")
     exporter.start()
     try:
         assert 'gpu_alloc_collector_success{collector="docker-labels"} 0.0' in exporter.collector.render().decode()
+        wait_for(lambda: any("Docker labels" in r.getMessage() for r in caplog.records), timeout=5)
         time.sleep(0.2)  # about ten more failed reads
         said = [r.getMessage() for r in caplog.records if "Docker labels" in r.getMessage()]
         assert said == [f"kernel identity from Docker labels: {tmp_path / 'absent.sock'}: no socket there; "
@@ -123,7 +129,7 @@ def test_the_start_pauses_the_cyclic_collector_and_hands_the_metrics_to_the_anal
 
     write_kernel(tmp_path, "k1", {"cuda.shares": {"GPU-a": Decimal("0.5")}})
     enabled_during_scan = []
-    exporter = Exporter(Settings(scratch_roots=[tmp_path], telemetry_source="none", telemetry_interval=3600))
+    exporter = Exporter(resolve(Settings(scratch_roots=[tmp_path], telemetry_source="none", telemetry_interval=3600)))
     real_scan = exporter.scanner.scan
     monkeypatch.setattr(exporter.scanner, "scan", lambda *a, **kw: enabled_during_scan.append(gc.isenabled()) or real_scan(*a, **kw))
     assert gc.isenabled()
@@ -131,7 +137,7 @@ def test_the_start_pauses_the_cyclic_collector_and_hands_the_metrics_to_the_anal
     try:
         assert enabled_during_scan[0] is False and gc.isenabled()  # paused for the first scan, then back
         # The collector (and prometheus_client with it) is built by the analysis thread, not the start.
-        wait_for(lambda: exporter._collector is not None)
+        wait_for(lambda: exporter.exposition._collector is not None)
         assert "prometheus_client" in sys.modules and b"gpu_alloc_kernel_info" in exporter.render()
     finally:
         exporter.close()

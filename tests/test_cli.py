@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -137,7 +138,7 @@ MISTAKES = [
     (["scan", "--headroom.request", "cuda.shares=abc"], {}, ["--headroom.request 'cuda.shares=abc'", "not a number"]),
     (["serve", "--headroom.request", "cuda.shares=-2"], {}, ["--headroom.request 'cuda.shares=-2'", "positive"]),
     (["scan", "--headroom.request", "cuda.shares=1e30"], {}, ["--headroom.request 'cuda.shares=1e30'", "out of range"]),
-    (["scan", "--mig.geometries-file", "{tmp}/missing.yaml"], {}, ["--mig.geometries-file {tmp}/missing.yaml", "cannot read the file"]),
+    (["scan", "--mig.geometries-file", "{tmp}/missing.yaml"], {}, ["{tmp}/missing.yaml: cannot be read", "(set --mig.geometries-file)"]),
     (["serve", "--mig.geometries-file", "{tmp}/g.yaml"], {"g.yaml": GEOMETRIES_BAD_YAML}, ["--mig.geometries-file {tmp}/g.yaml", "not valid YAML at line 2"]),
     (["scan", "--mig.geometries-file", "{tmp}/g.yaml"], {"g.yaml": GEOMETRIES_BAD_COUNT}, ["entry 1, allowed geometry 1", "whole numbers"]),
     (["scan", "--mig.geometries-file", "{tmp}/g.yaml"], {"g.yaml": "nvidia: {}\n"}, ["{tmp}/g.yaml", "no knownMigGeometries list"]),
@@ -257,7 +258,7 @@ def test_nested_config_keys_are_settings(tmp_path: Path, capsys) -> None:
 
 def test_help_names_the_commands_whole_placeholders_and_allowed_values(capsys) -> None:
     from exporter.cli import COMMANDS, literal_choices
-    from exporter.settings import Settings
+    from exporter.settings import FIELDS
 
     with pytest.raises(SystemExit):
         main(["--help"])
@@ -266,7 +267,7 @@ def test_help_names_the_commands_whole_placeholders_and_allowed_values(capsys) -
     flat = " ".join(out.split())  # help lines wrap at the terminal's width
     for command in COMMANDS:
         assert f"gpu-alloc-exporter {command}" in usage or f"[{command}]" in usage
-    for name, field in Settings.model_fields.items():
+    for name, field in FIELDS.items():
         flag = field.flag
         assert flag in out and f"env {name.upper()}" in flat, flag
         choices = literal_choices(field.annotation)
@@ -342,7 +343,7 @@ def test_environment_values_are_coerced(variable, text, field, expected, monkeyp
     monkeypatch.setenv(f"GPU_ALLOC_EXPORTER_{variable}", text)
     settings = Settings.load({})
     assert getattr(settings, field) == expected and type(getattr(settings, field)) is type(expected)
-    assert settings.model_fields_set == {field}
+    assert settings.given == {field}
 
 
 @pytest.mark.parametrize(("variable", "text", "message"), [
@@ -392,7 +393,7 @@ def test_precedence_is_flags_then_environment_then_file_then_defaults(tmp_path: 
     monkeypatch.setenv("gpu_alloc_exporter_stale_grace", "6")  # variable names match in any case
     s = Settings.load({"stale_grace": "9", "log_level": "error"}, cfg)
     assert (s.stale_grace, s.telemetry_interval, s.telemetry_timeout, s.log_level, s.scratch_poll_interval) == (9.0, 8.0, 0.5, "error", 2.0)
-    assert s.model_fields_set == {"stale_grace", "telemetry_interval", "telemetry_timeout", "log_level"}
+    assert s.given == {"stale_grace", "telemetry_interval", "telemetry_timeout", "log_level"}
     # A value the environment overrides is not checked: only the one used can be wrong.
     cfg.write_text("[telemetry]\ninterval = -1\n")
     assert Settings.load({}, cfg).telemetry_interval == 8.0
@@ -417,10 +418,10 @@ def test_copies_and_direct_construction_record_what_was_given() -> None:
     from exporter.settings import Settings
 
     s = Settings(scratch_roots=[Path("/q")], telemetry_source="none")
-    assert s.model_fields_set == {"scratch_roots", "telemetry_source"} and s.telemetry_interval == 5.0
-    c = s.model_copy(update={"stale_grace": 1.0})
+    assert s.given == {"scratch_roots", "telemetry_source"} and s.telemetry_interval == 5.0
+    c = dataclasses.replace(s, stale_grace=1.0, given=s.given | {"stale_grace"})
     assert c.stale_grace == 1.0 and s.stale_grace == 300.0 and c.scratch_roots == [Path("/q")]
-    assert c.model_fields_set == {"scratch_roots", "telemetry_source", "stale_grace"}
+    assert c.given == {"scratch_roots", "telemetry_source", "stale_grace"}
     assert Settings().scratch_roots is not Settings().scratch_roots  # a default list is never shared
     with pytest.raises(TypeError, match="no_such"):
         Settings(no_such=1)

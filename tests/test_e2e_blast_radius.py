@@ -14,6 +14,7 @@ from e2e.harness import Alertmanager, Prometheus, StaticExpositions, Webhook, e2
 from helpers import ROOT, wait_for
 
 from exporter.app import Exporter
+from exporter.config import resolve
 from exporter.demo import write_kernel, write_recovery
 from exporter.settings import Settings
 from exporter.telemetry.nvml import NvmlSource
@@ -41,7 +42,7 @@ def test_an_xid_on_a_shared_gpu_names_every_session(tmp_path: Path) -> None:
                         agent_id="i-node01")
     fake.push_xid(0, 79)  # GPU 0 fell off the bus
     with fake.installed():
-        exporter = Exporter(settings, telemetry=NvmlSource(event_wait_ms=20))
+        exporter = Exporter(resolve(settings), telemetry=NvmlSource(event_wait_ms=20))
         exporter.start()
         try:
             # The XID arrives through the event thread; shares need a telemetry sample and an analysis pass.

@@ -40,6 +40,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from watchdog.observers.inotify_c import InotifyFD
 
 from exporter.app import Exporter
+from exporter.config import resolve
 from exporter.demo import write_kernel
 from exporter.settings import Settings
 from exporter.web.server import HttpServer
@@ -101,7 +102,7 @@ class Scraper:
 def running(root: Path, before_start=None, **overrides) -> Iterator[tuple[Exporter, Scraper]]:
     """The real exporter wiring (app + server) in this process, served over HTTP on port 0."""
     settings = Settings(scratch_roots=[root], telemetry_source="none", **overrides)
-    exporter = Exporter(settings)
+    exporter = Exporter(resolve(settings))
     server = HttpServer(exporter.handle, "127.0.0.1", 0)
     server.start()
     try:

@@ -35,6 +35,7 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from exporter.app import Exporter
+from exporter.config import resolve
 from exporter.scratch import reader as reader_module
 from exporter.scratch.allocation import AllocationBook
 from exporter.scratch.reader import DEFAULT_MAX_BYTES
@@ -200,7 +201,7 @@ def test_hostile_case(case: Path, tmp_path: Path, caplog: pytest.LogCaptureFixtu
             return -errno.EACCES if path == f"{kid}/config/resource.txt" else real_beneath(dir_fd, path, flags)
 
         monkeypatch.setattr(reader_module, "open_beneath", beneath_as_unprivileged)
-    exporter = Exporter(Settings(scratch_roots=[root], telemetry_source="none"))
+    exporter = Exporter(resolve(Settings(scratch_roots=[root], telemetry_source="none")))
     caplog.set_level(logging.INFO)
 
     before, started = rchar(), time.monotonic()
@@ -327,7 +328,9 @@ def _check_outcome(result, text: str) -> None:
     if isinstance(result, ResourceSpec):
         for a in result.allocations:
             assert a.amount.is_finite() and a.amount >= 0
-            assert a.device_id and not re.search(r"[\x00-\x1f\x7f\s]", a.device_id)
+            # The agent keeps an id as written, a plain space included (" GPU-x" after a comma);
+            # any other whitespace or control character makes the file invalid.
+            assert a.device_id and not re.search(r"[\x00-\x1f\x7f]|[^\S ]", a.device_id)
         for _, amount in result.requested:
             assert amount.is_finite() and amount >= 0
 

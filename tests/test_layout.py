@@ -23,6 +23,7 @@ PACKAGE = ROOT / "exporter"
 LAYERS = {
     "exporter": 0,  # the package root: only __version__
     "exporter.units": 0,
+    "exporter.files": 0,
     "exporter.logs": 0,
     "exporter.scratch": 1,
     "exporter.telemetry": 1,
@@ -30,10 +31,11 @@ LAYERS = {
     "exporter.analysis": 2,
     "exporter.metrics": 3,
     "exporter.web": 4,
-    "exporter.app": 5,
-    "exporter.demo": 5,
-    "exporter.cli": 6,
-    "exporter.__main__": 7,
+    "exporter.config": 5,  # the configuration room: every user input, resolved once
+    "exporter.app": 6,
+    "exporter.demo": 6,
+    "exporter.cli": 7,
+    "exporter.__main__": 8,
 }
 # Third-party libraries that only certain modules may import.
 ONLY = {
@@ -42,8 +44,11 @@ ONLY = {
 ONLY_LAYERS = {
     "prometheus_client": {"exporter.metrics", "exporter.web"},
     # The configuration is read by the wiring only: data sources and analysis take plain values.
-    "exporter.settings": {"exporter.app", "exporter.cli", "exporter.demo"},
+    "exporter.settings": {"exporter.config", "exporter.app", "exporter.cli", "exporter.demo"},
 }
+# What the serving layers may read of analysis: the read model alone, never a computation.
+READ_MODEL = "exporter.analysis.model"
+READERS = ("exporter.metrics", "exporter.web")
 
 
 @dataclass(frozen=True)
@@ -117,6 +122,9 @@ def violations(package: Path) -> list[str]:
         for lib, layers in ONLY_LAYERS.items():
             if (top == lib or e.target == lib or e.target.startswith(lib + ".")) and layer(e.module) not in layers:
                 found.append(f"{e}: only {' and '.join(sorted(layers))} may import {lib}")
+        if (layer(e.module) in READERS and e.target.startswith(f"{name}.analysis")
+                and e.target != READ_MODEL and e.target != f"{name}.analysis"):
+            found.append(f"{e}: {layer(e.module)} reads only {READ_MODEL} of analysis")
     found += [f"import cycle: {' -> '.join(c)}" for c in cycles(edges, name)]
     return found
 
@@ -163,7 +171,12 @@ def test_a_broken_rule_names_the_file_and_the_import(tmp_path: Path) -> None:
     (pkg / "metrics" / "a.py").write_text("import prometheus_client\nfrom . import b\n")
     (pkg / "metrics" / "b.py").write_text("from exporter.metrics import a\n")
     (pkg / "scratch" / "render.py").write_text("from prometheus_client import Metric\n")
+    (pkg / "analysis").mkdir()
+    (pkg / "analysis" / "__init__.py").write_text("")
+    (pkg / "analysis" / "node.py").write_text("")
+    (pkg / "metrics" / "c.py").write_text("from exporter.analysis.node import node_state\n")
     found = violations(pkg)
+    assert "exporter/metrics/c.py:1: imports exporter.analysis.node: exporter.metrics reads only exporter.analysis.model of analysis" in found
     assert "exporter/scratch/parser.py:2: imports exporter.telemetry.probe: exporter.scratch may not import exporter.telemetry (data flows one way)" in found
     assert ("exporter/telemetry/probe.py:1: imports pynvml: only exporter.telemetry.nvml.binding, "
             "exporter.telemetry.nvml.simulated may import pynvml") in found

@@ -15,8 +15,8 @@ from helpers import GOLDEN
 from test_cli import Running
 
 from exporter.app import Exporter
-from exporter.app import agent_layout as resolve_agent_layout
 from exporter.cli import main
+from exporter.config import resolve
 from exporter.demo import write_kernel, write_recovery
 from exporter.settings import Settings
 from exporter.web.server import Request
@@ -66,8 +66,9 @@ def exporter_for(tmp: Path, **flags) -> Exporter:
     shared, own = build(tmp)
     settings = Settings.load({"telemetry_source": "none", "telemetry_interval": 3600, "path_cgroupfs": str(tmp / "none"),
                               "capacity_overrides": [f"{DEV[0]}=4", f"{DEV[1]}=4"], "headroom_mode": "fractional", **flags})
-    layout = resolve_agent_layout(settings, agent_toml(shared, own), str(tmp / "agent.toml"), "node01")
-    return Exporter(settings, clock=lambda: NOW, monotonic=lambda: NOW, layout=layout)
+    (tmp / "agent.toml").write_text(agent_toml(shared, own))
+    config = resolve(settings, agent_config=tmp / "agent.toml", hostname="node01")
+    return Exporter(config, clock=lambda: NOW, monotonic=lambda: NOW)
 
 
 def get(exporter: Exporter, query: str) -> tuple[int, object]:
@@ -109,7 +110,7 @@ def test_single_agent_alloc_map_answers_per_agent_too(tmp_path: Path) -> None:
     write_kernel(root, K[0], {"cuda.shares": {DEV[0]: Decimal("0.5")}})
     settings = Settings.load({"scratch_roots": [str(root)], "telemetry_source": "none", "agent_id": "i-solo",
                               "path_cgroupfs": str(tmp_path / "none")})
-    exporter = Exporter(settings, clock=lambda: NOW)
+    exporter = Exporter(resolve(settings), clock=lambda: NOW)
     exporter.start()
     try:
         assert get(exporter, "") == get(exporter, "agent=i-solo") == (200, {"GPU-0": "0.5"})
@@ -157,7 +158,10 @@ def test_zero_flag_start_from_agent_toml(tmp_path: Path) -> None:
         text = body.decode()
         for agent, root in (("i-node01-a", shared), ("i-node01-b", shared), ("i-node01-c", own)):
             assert f'gpu_alloc_agent_info{{agent_id="{agent}",allocation_mode="auto-split",scratch_root="{root}"}} 1.0' in text
-        assert 'gpu_alloc_build_info{agent_id=""' in text  # several agents: no one id for the exporter
+        # Several agents: build_info names each, so a dashboard's agent variable lists them all.
+        for agent in ("i-node01-a", "i-node01-b", "i-node01-c"):
+            assert f'gpu_alloc_build_info{{agent_id="{agent}"' in text
+        assert 'gpu_alloc_build_info{agent_id=""' not in text
     finally:
         assert run.stop() == 0
 

@@ -10,28 +10,35 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
 
-from exporter.analysis.accounting import Accounting
-from exporter.analysis.attribution import AttributionResult
 from exporter.analysis.capacity import CapacityConfig, GpuInventory, device_capacity, is_fractional_slot, is_mig_slot
-from exporter.analysis.headroom import SlotHeadroom, summarize
-from exporter.analysis.liveness import CgroupScan, KernelLiveness, Liveness
-from exporter.analysis.placement import DeviceFree, Links, NoFragRule, Request
+from exporter.analysis.headroom import SlotHeadroom, count_fits, summarize
+from exporter.analysis.liveness import KernelLiveness, Liveness
+from exporter.analysis.placement import DeviceFree, Links, NoFragRule, Policy, Request
 from exporter.scratch.allocation import AllocationView
 from exporter.telemetry.devices import DeviceResolver
-from exporter.telemetry.mig import GpuInstance, HamiModel, MigProfile, MigTable, table_for_product
+from exporter.telemetry.mig import (
+    GpuInstance,
+    HamiModel,
+    MigLayoutError,
+    MigProfile,
+    MigTable,
+    creatable_instances,
+    hami_geometries_for,
+    reachable_geometries,
+    table_for_product,
+)
 from exporter.telemetry.model import DeviceReading, TelemetrySnapshot
 
 __all__ = [
     "DEFAULT_REQUESTS",
-    "Analysis",
+    "HeadroomFigures",
     "HeadroomParams",
     "Inventory",
     "MigInstanceDevice",
     "MigLayout",
     "NodeState",
+    "headroom_figures",
     "inventory_from_snapshot",
-    "inventory_of",
-    "live_state",
     "node_state",
     "ratio_capacities",
 ]
@@ -283,40 +290,10 @@ def node_state(
     return NodeState(slots, params.capacity.quantum, params.rule, params.links, dict(stale))
 
 
-def live_state(
-    view: AllocationView,
-    snapshot: TelemetrySnapshot | None,
-    devices: DeviceResolver | Inventory,
-    params: HeadroomParams,
-    liveness: Mapping[str, KernelLiveness] | None = None,
-) -> NodeState:
-    """:func:`node_state` over what a telemetry snapshot shows: the state ``/api/v1/simulate``
-    and the ``simulate`` subcommand place requests on. ``devices`` as for :func:`headroom_families`."""
-    return node_state(view, inventory_of(snapshot, devices), params, liveness)
-
-
-def inventory_of(snapshot: TelemetrySnapshot | None, devices: DeviceResolver | Inventory) -> Inventory:
-    """``devices`` itself when it is an :class:`Inventory`, else what ``snapshot`` shows."""
-    return devices if isinstance(devices, Inventory) else inventory_from_snapshot(snapshot, devices)
-
-
 def _whole_gpu_slot(view: AllocationView, mode: str) -> str:
     if mode == "fractional" or (mode == "auto" and any(slot == "cuda.shares" for _, slot in view.device_totals)):
         return "cuda.shares"
     return "cuda.device"
-
-
-@dataclass(frozen=True)
-class Analysis:
-    """What the analysis thread last published: the cgroup scan, each kernel's liveness and the
-    process attribution (immutable; replaced as a whole)."""
-
-    version: int = 0  # bumped on every analysis (attribution durations move every sample)
-    liveness_version: int = 0  # bumped only when liveness or cgroup visibility changed
-    cgroups: CgroupScan | None = None
-    liveness: Mapping[str, KernelLiveness] = field(default_factory=dict)
-    attribution: AttributionResult | None = None
-    accounting: Accounting | None = None  # shares, normalised use, chargeback counters
 
 
 def ratio_capacities(state: NodeState, inventory: Inventory) -> dict[tuple[str, str], Decimal]:
@@ -328,3 +305,48 @@ def ratio_capacities(state: NodeState, inventory: Inventory) -> dict[tuple[str, 
         if gpu.memory_total_bytes:
             capacities[("cuda.mem", gpu.device_id)] = Decimal(gpu.memory_total_bytes)
     return capacities
+
+
+# --- headroom figures: what the headroom and MIG families show --------------------------------
+
+
+@dataclass(frozen=True)
+class HeadroomFigures:
+    """The node's headroom figures, computed once per change of the node state or inventory.
+
+    :param summaries: per slot, every node-level figure (:class:`SlotHeadroom`).
+    :param fits: (slot, request amount, ``allowed``/``disallowed``, how many more such
+        requests the agent would place one after another), per reference request.
+    :param mig_creatable: (device id, profile, GPU instances that could still be created).
+    :param mig_reachable: (device id, geometry, 1 if an allowed geometry is still reachable).
+    """
+
+    summaries: Mapping[str, SlotHeadroom] = field(default_factory=dict)
+    fits: tuple[tuple[str, str, str, int], ...] = ()
+    mig_creatable: tuple[tuple[str, str, int], ...] = ()
+    mig_reachable: tuple[tuple[str, str, int], ...] = ()
+
+
+def headroom_figures(state: NodeState, inventory: Inventory, params: HeadroomParams) -> HeadroomFigures:
+    """Every headroom figure of ``state`` and of the MIG layouts in ``inventory``."""
+    summaries = {slot: state.summary(slot) for slot in state.slots}
+    fits = []
+    for request in params.requests:
+        devices = state.slots.get(request.slot)
+        if devices is None:
+            continue
+        for label, policy in (("allowed", Policy.EVENLY), ("disallowed", Policy.EVENLY_NOFRAG)):
+            n = count_fits(
+                devices, request, policy, quantum=state.slot_quantum(request.slot), rule=state.rule
+            )
+            fits.append((request.slot, str(request.amount), label, n))
+    creatable, reachable = [], []
+    for layout in inventory.mig_layouts:
+        try:
+            counts = creatable_instances(layout.table, layout.instances, remaining=layout.remaining)
+            verdicts = reachable_geometries(layout.table, layout.instances, hami_geometries_for(params.hami, layout.product_name))
+        except MigLayoutError:
+            continue  # the reported instances cannot coexist: no figure beats a wrong one
+        creatable += [(layout.device_id, profile, n) for profile, n in counts.items()]
+        reachable += [(layout.device_id, label, int(ok)) for label, ok in verdicts.items() if ok is not None]
+    return HeadroomFigures(summaries, tuple(fits), tuple(creatable), tuple(reachable))

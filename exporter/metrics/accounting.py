@@ -10,10 +10,15 @@ Sample output::
 
 from __future__ import annotations
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from typing import TYPE_CHECKING
 
-from exporter.analysis.accounting import Accounting
+from exporter.analysis.model import Accounting
+from exporter.metrics.collectors import Inputs, Part, register
+from exporter.metrics.families import counter, gauge
 from exporter.metrics.status import Health
+
+if TYPE_CHECKING:
+    from prometheus_client.core import Metric
 
 __all__ = ["accounting_families", "accounting_health"]
 
@@ -24,25 +29,25 @@ def accounting_families(result: Accounting | None) -> list[Metric]:
     """Families for one pass; None (no pass yet, or the pass failed) has none."""
     if result is None:
         return []
-    share = GaugeMetricFamily(
+    share = gauge(
         "gpu_alloc_kernel_gpu_share_ratio",
         "Share (0-1) of a physical GPU a kernel holds: 1 for cuda.device, shares over the GPU's fractional capacity, "
         "a MIG slice's SMs over the GPU's (device_id is the GPU, also for MIG slices)",
-        labels=_PAIR,
+        _PAIR,
     )
     for (kernel_id, gpu), value in sorted(result.shares.items()):
         share.add_metric([gpu, kernel_id], value)
-    util = GaugeMetricFamily(
+    util = gauge(
         "gpu_alloc_kernel_measured_utilization_ratio",
         "SM utilisation of the kernel's processes on its allocated GPUs, averaged per allocated device (0-1); "
         "absent where any allocated device is not measured (MIG, a failed read)",
-        labels=["kernel_id"],
+        ["kernel_id"],
     )
-    memory = GaugeMetricFamily(
+    memory = gauge(
         "gpu_alloc_kernel_measured_memory_ratio",
         "GPU memory the kernel's processes use over the memory it holds, averaged per allocated device "
         "(0-1: use beyond the share, where the plugin does not cap memory, counts as 1); absent where any allocated device is not measured",
-        labels=["kernel_id"],
+        ["kernel_id"],
     )
     # Only measured kernels have a sample: sort those, not every kernel (10,000 unmeasured ones
     # cost ~4 ms a render, and this part renders at every scrape: its counters move).
@@ -52,18 +57,18 @@ def accounting_families(result: Accounting | None) -> list[Metric]:
             util.add_metric([kernel_id], use.utilization_ratio)
         if use.memory_ratio is not None:
             memory.add_metric([kernel_id], use.memory_ratio)
-    allocated = CounterMetricFamily(
+    allocated = counter(
         "gpu_alloc_kernel_allocated_gpu_seconds",
         "GPU share held by a kernel, integrated over time (share-seconds; /3600 for GPU-hours); "
         "integrated in the background at every telemetry sample, reset only when the exporter restarts",
-        labels=_PAIR,
+        _PAIR,
     )
     for (kernel_id, gpu), value in sorted(result.allocated_seconds.items()):
         allocated.add_metric([gpu, kernel_id], value)
-    used = CounterMetricFamily(
+    used = counter(
         "gpu_alloc_kernel_used_gpu_seconds",
         "GPU share held times measured utilisation, integrated over time (share-seconds) while the kernel's use is measured",
-        labels=_PAIR,
+        _PAIR,
     )
     for (kernel_id, gpu), value in sorted(result.used_seconds.items()):
         used.add_metric([gpu, kernel_id], value)
@@ -73,3 +78,9 @@ def accounting_families(result: Accounting | None) -> list[Metric]:
 def accounting_health(result: Accounting | None) -> Health:
     """Failed until a pass has run, or when the last pass failed."""
     return Health(result is not None)
+
+
+@register("accounting", "GPU share per kernel, measured use over what it holds, chargeback counters", order=60)
+def _accounting(inputs: Inputs) -> list[Part]:
+    return [Part("accounting", lambda: accounting_families(inputs.model().accounting), lambda: inputs.model().usage_version,
+                 health=lambda: accounting_health(inputs.model().accounting))]

@@ -10,45 +10,43 @@ appearing. Sample output::
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Mapping
 from decimal import Decimal
+from typing import TYPE_CHECKING
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.utils import floatToGoString
-
+from exporter.metrics.collectors import Inputs, Part, register
+from exporter.metrics.families import counter, float_format, gauge
+from exporter.metrics.status import Health
 from exporter.metrics.text import SplicedText
 from exporter.scratch.allocation import AllocationView, Kernel, KernelState, is_accelerator_slot
 from exporter.scratch.identity import Identity
 from exporter.scratch.resources import SlotKind, slot_kind
-from exporter.telemetry.devices import DeviceResolver
-from exporter.telemetry.model import TelemetrySnapshot
+
+if TYPE_CHECKING:
+    from prometheus_client.core import Metric
 
 __all__ = ["IDENTITY_LABELS", "KernelText", "allocation_families", "kernel_families", "kernel_identity", "unknown_device_families"]
 
 
-def _g(name: str, doc: str, labels: Iterable[str] = ()) -> GaugeMetricFamily:
-    return GaugeMetricFamily(name, doc, labels=list(labels))
-
-
 def allocation_families(view: AllocationView) -> list[Metric]:
     """Per device, per kernel and per node allocation from one :class:`AllocationView`."""
-    dev_count = _g("gpu_alloc_device_allocated", "Amount of a count slot allocated on a device, summed over kernels (fGPU shares, GPUs, MIG instances)", ["device_id", "slot"])
-    dev_bytes = _g("gpu_alloc_device_allocated_bytes", "Amount of a bytes slot allocated on a device, summed over kernels", ["device_id", "slot"])
-    fgpu = _g("gpu_alloc_device_fgpu_allocated", "cuda.shares plus cuda.device allocated on a device, as Backend.AI's gpu_alloc_map reports it", ["device_id"])
+    dev_count = gauge("gpu_alloc_device_allocated", "Amount of a count slot allocated on a device, summed over kernels (fGPU shares, GPUs, MIG instances)", ["device_id", "slot"])
+    dev_bytes = gauge("gpu_alloc_device_allocated_bytes", "Amount of a bytes slot allocated on a device, summed over kernels", ["device_id", "slot"])
+    fgpu = gauge("gpu_alloc_device_fgpu_allocated", "cuda.shares plus cuda.device allocated on a device, as Backend.AI's gpu_alloc_map reports it", ["device_id"])
     for (device_id, slot), amount in sorted(view.device_totals.items()):
         (dev_bytes if slot_kind(slot) is SlotKind.BYTES else dev_count).add_metric([device_id, slot], float(amount))
     for device_id, amount in view.alloc_map.items():
         fgpu.add_metric([device_id], float(Decimal(amount)))
 
-    node_count = _g("gpu_alloc_node_allocated", "Amount of an intrinsic count slot (cpu) allocated on the node, summed over kernels", ["slot"])
-    node_bytes = _g("gpu_alloc_node_allocated_bytes", "Amount of an intrinsic bytes slot (mem) allocated on the node, summed over kernels", ["slot"])
+    node_count = gauge("gpu_alloc_node_allocated", "Amount of an intrinsic count slot (cpu) allocated on the node, summed over kernels", ["slot"])
+    node_bytes = gauge("gpu_alloc_node_allocated_bytes", "Amount of an intrinsic bytes slot (mem) allocated on the node, summed over kernels", ["slot"])
     for slot, amount in sorted(view.node_totals.items()):
         (node_bytes if slot_kind(slot) is SlotKind.BYTES else node_count).add_metric([slot], float(amount))
 
-    states = _g("gpu_alloc_kernels", "Kernel scratch directories by parse state", ["state"])
+    states = gauge("gpu_alloc_kernels", "Kernel scratch directories by parse state", ["state"])
     for state in KernelState:
         states.add_metric([state.value], view.state_counts.get(state, 0))
-    errors = CounterMetricFamily("gpu_alloc_resource_parse_errors", "Reads of resource.txt that found a malformed file")
+    errors = counter("gpu_alloc_resource_parse_errors", "Reads of resource.txt that found a malformed file")
     errors.add_metric([], view.parse_errors_total)
     return [dev_count, dev_bytes, fgpu, node_count, node_bytes, states, errors, *agent_unreadable_families(view)]
 
@@ -56,7 +54,7 @@ def allocation_families(view: AllocationView) -> list[Metric]:
 def agent_unreadable_families(view: AllocationView) -> list[Metric]:
     """Kernels whose file this exporter reads but the agent's own reader rejects: the agent's
     ``gpu_alloc_map`` RPC stops at the first of them (a partial map in Backend.AI's UI)."""
-    kernels = _g("gpu_alloc_kernel_agent_unreadable",
+    kernels = gauge("gpu_alloc_kernel_agent_unreadable",
                  "1 for a kernel whose resource.txt the agent's own reader rejects, by reason (the agent's alloc map stops there)",
                  ["kernel_id", "reason"])
     # Nearly always none: find them first, then sort those (sorting 10,000 ids took ~9 ms a render).
@@ -65,9 +63,9 @@ def agent_unreadable_families(view: AllocationView) -> list[Metric]:
     for kernel_id, reasons in sorted(unreadable):
         for reason in reasons:
             kernels.add_metric([kernel_id, reason], 1)
-    partial = GaugeMetricFamily("gpu_alloc_agent_alloc_map_partial",
-                                "1 if some kernel's file would stop the agent's own gpu_alloc_map RPC (its map is partial)",
-                                value=int(bool(kernels.samples)))
+    partial = gauge("gpu_alloc_agent_alloc_map_partial",
+                    "1 if some kernel's file would stop the agent's own gpu_alloc_map RPC (its map is partial)",
+                    value=int(bool(kernels.samples)))
     return [kernels, partial]
 
 
@@ -97,10 +95,10 @@ def kernel_families(view: AllocationView, agent_id: str | None = None) -> list[M
     """What each kernel holds on each device (accelerator slots), each kernel's parse state and
     its identity (``agent_id``: ``--agent.id``, for kernels whose identity is not read yet)."""
     (count_name, count_doc), (bytes_name, bytes_doc), (info_name, info_doc), (id_name, id_doc) = _KERNEL_FAMILIES
-    count = _g(count_name, count_doc, ["kernel_id", "device_id", "slot"])
-    nbytes = _g(bytes_name, bytes_doc, ["kernel_id", "device_id", "slot"])
-    info = _g(info_name, info_doc, ["kernel_id", "state"])
-    ident = _g(id_name, id_doc, IDENTITY_LABELS)
+    count = gauge(count_name, count_doc, ["kernel_id", "device_id", "slot"])
+    nbytes = gauge(bytes_name, bytes_doc, ["kernel_id", "device_id", "slot"])
+    info = gauge(info_name, info_doc, ["kernel_id", "state"])
+    ident = gauge(id_name, id_doc, IDENTITY_LABELS)
     for kernel_id, kernel in sorted(view.kernels.items()):
         info.add_metric([kernel_id, kernel.state.value], 1)
         i = kernel_identity(kernel_id, kernel, agent_id)
@@ -134,16 +132,18 @@ class KernelText:
         """The per-kernel families after ``head`` (joined here, so the text is never copied again),
         as a gzip member if ``gzipped``."""
         first, *others = self._headers
-        return self._text.render(view.kernels, lambda kid, kernel: _encode(kid, kernel, self._agent_id), (head + first, *others, b""))
+        fmt = float_format()
+        return self._text.render(view.kernels, lambda kid, kernel: _encode(kid, kernel, self._agent_id, fmt),
+                                 (head + first, *others, b""))
 
 
-def _encode(kernel_id: str, kernel: Kernel, agent_id: str | None) -> tuple[bytes, ...]:
+def _encode(kernel_id: str, kernel: Kernel, agent_id: str | None, fmt: Callable[[float], str]) -> tuple[bytes, ...]:
     """The kernel's lines in each of the :data:`_KERNEL_FAMILIES`."""
     kid = _label(kernel_id)
     count, nbytes = [], []
     for a in kernel.allocations:
         if is_accelerator_slot(a.slot):
-            line = f'{{device_id="{_label(a.device_id)}",kernel_id="{kid}",slot="{_label(a.slot)}"}} {floatToGoString(float(a.amount))}\n'
+            line = f'{{device_id="{_label(a.device_id)}",kernel_id="{kid}",slot="{_label(a.slot)}"}} {fmt(float(a.amount))}\n'
             (nbytes if slot_kind(a.slot) is SlotKind.BYTES else count).append(line)
     name_count, name_bytes, name_info, name_id = (name for name, _ in _KERNEL_FAMILIES)
     i = kernel_identity(kernel_id, kernel, agent_id)
@@ -163,14 +163,36 @@ def _label(value: str) -> str:
     return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
-def unknown_device_families(view: AllocationView, snapshot: TelemetrySnapshot, resolver: DeviceResolver) -> list[Metric]:
+def unknown_device_families(unknown: Mapping[tuple[str, str], Decimal] | None) -> list[Metric]:
     """GPU allocations on device ids that match no device in the telemetry inventory: a removed
     GPU, a wrong ``--device.id-scheme``, or a broken file. Never dropped silently; without an
-    inventory (telemetry off or failing) nothing can be judged, so nothing is reported."""
-    if not snapshot.devices:
+    inventory (telemetry off or failing: ``None``) nothing can be judged, so nothing is reported."""
+    if unknown is None:
         return []
-    fam = _g("gpu_alloc_device_unknown_allocated", "Amount of a GPU slot allocated on a device id that matches no device in the telemetry inventory", ["device_id", "slot"])
-    for (device_id, slot), amount in sorted(view.device_totals.items()):
-        if slot.startswith("cuda.") and resolver.resolve(device_id) is None:
-            fam.add_metric([device_id, slot], float(amount))
+    fam = gauge("gpu_alloc_device_unknown_allocated",
+                "Amount of a GPU slot allocated on a device id that matches no device in the telemetry inventory",
+                ["device_id", "slot"])
+    for (device_id, slot), amount in unknown.items():
+        fam.add_metric([device_id, slot], float(amount))
     return [fam]
+
+
+@register("scratch", "allocation from the scratch tree: per device, node and kernel, parse states, identities", order=10)
+def _scratch(inputs: Inputs) -> list[Part]:
+    kernel_text = KernelText(inputs.agent_id, gzipped=True)
+
+    def families() -> list[Metric]:
+        view = inputs.view()
+        return allocation_families(view) + kernel_families(view, inputs.agent_id)
+
+    def text() -> bytes:
+        view = inputs.view()
+        from exporter.metrics.registry import render_families  # prometheus_client: loaded to render only
+
+        return kernel_text.render(view, head=render_families(allocation_families(view)))
+
+    def health() -> Health:
+        scans = inputs.watcher().last_scan
+        return Health(bool(scans) and all(s.ok for s in scans), sum(s.duration_seconds for s in scans))
+
+    return [Part("scratch", families, lambda: inputs.view().version, text, health, gzipped=True)]

@@ -12,10 +12,15 @@ PIDs are labels only in the opt-in per-process families (``attribution_process_d
 
 from __future__ import annotations
 
-from prometheus_client.core import GaugeMetricFamily, Metric
+from typing import TYPE_CHECKING
 
-from exporter.analysis.attribution import AttributionResult
+from exporter.analysis.model import AttributionResult
+from exporter.metrics.collectors import Inputs, Part, register
+from exporter.metrics.families import gauge
 from exporter.metrics.status import Health
+
+if TYPE_CHECKING:
+    from prometheus_client.core import Metric
 
 __all__ = ["BREACH_SERIES", "KERNEL_SERIES", "attribution_families", "attribution_health"]
 
@@ -47,10 +52,6 @@ _KERNEL_FAMILIES = (
 )
 
 
-def _gauge(name: str, documentation: str, labels: list[str]) -> GaugeMetricFamily:
-    return GaugeMetricFamily(name, documentation, labels=labels)
-
-
 KERNEL_SERIES = ("per-device", "per-kernel", "off")
 BREACH_SERIES = ("all", "active")
 
@@ -76,8 +77,8 @@ def attribution_families(
         return []
 
     labels_of = _KERNEL if kernel_series == "per-device" else ["kernel_id"]
-    kernel = [(_gauge(name, doc, labels_of), field) for name, doc, field in _KERNEL_FAMILIES]
-    breach = _gauge("gpu_alloc_kernel_isolation_breach", "1 if the kernel runs processes on a device it was not allocated, else 0", labels_of)
+    kernel = [(gauge(name, doc, labels_of), field) for name, doc, field in _KERNEL_FAMILIES]
+    breach = gauge("gpu_alloc_kernel_isolation_breach", "1 if the kernel runs processes on a device it was not allocated, else 0", labels_of)
     rows = _collapsed(result.kernels) if kernel_series == "per-kernel" else [
         ([u.kernel_id, u.device_id], 0 if u.allocated else 1, {f: getattr(u, f) for _, _, f in _KERNEL_FAMILIES}) for u in result.kernels]
     for labels, breached, values in ([] if kernel_series == "off" else rows):
@@ -87,19 +88,19 @@ def attribution_families(
             if (value := values[field]) is not None:
                 family.add_metric(labels, value)
 
-    processes = _gauge(
+    processes = gauge(
         "gpu_alloc_device_unattributed_processes",
         "Compute processes on a device that belong to no kernel, by reason "
         "(host, unknown_container, vanished, permission_denied, unreadable)",
         _UNATTRIBUTED,
     )
-    memory = _gauge("gpu_alloc_device_unattributed_memory_bytes", "GPU memory used by processes on a device that belong to no kernel, by reason", _UNATTRIBUTED)
+    memory = gauge("gpu_alloc_device_unattributed_memory_bytes", "GPU memory used by processes on a device that belong to no kernel, by reason", _UNATTRIBUTED)
     for u in result.unattributed:
         processes.add_metric([u.device_id, u.reason.value], u.processes)
         if u.memory_used_bytes is not None:
             memory.add_metric([u.device_id, u.reason.value], u.memory_used_bytes)
 
-    attributable = _gauge(
+    attributable = gauge(
         "gpu_alloc_device_utilization_attributable",
         "1 if NVML samples utilisation per process on the device, so kernel utilisation is measured; 0 where it cannot be isolated (MIG)",
         ["device_id"],
@@ -110,8 +111,8 @@ def attribution_families(
     families = [*(f for f, _ in kernel), breach, processes, memory, attributable] if kernel_series != "off" else [
         processes, memory, attributable]
     if process_detail:
-        p_memory = _gauge("gpu_alloc_process_memory_used_bytes", "GPU memory used by one process (kernel_id empty when unattributed)", _PROCESS)
-        p_util = _gauge("gpu_alloc_process_utilization_ratio", "SM utilisation of one process (0-1) from NVML per-process samples", _PROCESS)
+        p_memory = gauge("gpu_alloc_process_memory_used_bytes", "GPU memory used by one process (kernel_id empty when unattributed)", _PROCESS)
+        p_util = gauge("gpu_alloc_process_utilization_ratio", "SM utilisation of one process (0-1) from NVML per-process samples", _PROCESS)
         for p in result.processes:
             labels = [p.device_id, str(p.pid), p.kernel_id or ""]
             if p.memory_used_bytes is not None:
@@ -144,3 +145,16 @@ def _collapsed(usages) -> list[tuple[list[str], int, dict]]:
             values[field] = None if any(f is None for f in figures) else combine(figures)
         rows.append(([kernel_id], int(any(not u.allocated for u in us)), values))
     return rows
+
+
+@register("attribution", "GPU processes attributed to kernels: use, idle time, isolation breaches, unattributed processes",
+          order=50)
+def _attribution(inputs: Inputs) -> list[Part]:
+    series = inputs.series
+
+    def families() -> list[Metric]:
+        return attribution_families(inputs.model().attribution, process_detail=series.process_detail,
+                                    kernel_series=series.kernel_series, breach_series=series.breach_series)
+
+    return [Part("attribution", families, lambda: inputs.model().usage_version,
+                 health=lambda: attribution_health(inputs.model().attribution))]

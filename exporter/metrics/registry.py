@@ -24,10 +24,11 @@ from prometheus_client import generate_latest
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
+from exporter.metrics.collectors import Part
 from exporter.metrics.status import Health, PartStatus, status_families
 from exporter.metrics.text import gzip_member
 
-__all__ = ["ExporterCollector", "Part", "merge", "render_families"]
+__all__ = ["ExporterCollector", "merge", "render_families"]
 
 log = logging.getLogger(__name__)
 
@@ -41,28 +42,6 @@ def merge(families: Iterable[Metric]) -> list[Metric]:
             by_name[fam.name] = Metric(fam.name, fam.documentation, fam.type, fam.unit)
         by_name[fam.name].samples.extend(fam.samples)
     return list(by_name.values())
-
-
-@dataclass(frozen=True)
-class Part:
-    """A named producer of metric families (one per concern: scratch, telemetry, headroom…).
-
-    :param token: returns a value that changes whenever the families would; it is read *before*
-        the families are built, so a cached rendering is never older than its token.
-    :param text: a faster renderer of the same families as text; None: ``generate_latest``.
-    :param health: the verdict of the part's background work (a failed telemetry cycle is
-        ``success 0`` even though its families render); None: the render's own success.
-    :param gzipped: ``text`` gives the text as a gzip member (:func:`gzip_member`), and only that
-        is cached: a plain scrape decompresses it (~5 ms for the ~4.8 MB of 10,000 kernels, which
-        would otherwise stay resident beside their ~0.24 MB member).
-    """
-
-    name: str
-    families: Callable[[], Iterable[Metric]]
-    token: Callable[[], Hashable]
-    text: Callable[[], bytes] | None = None
-    health: Callable[[], Health] | None = None
-    gzipped: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,13 +15,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-
+from exporter.metrics.allocation import unknown_device_families
+from exporter.metrics.collectors import Inputs, Part, register
+from exporter.metrics.families import counter, gauge
 from exporter.metrics.status import Health
 from exporter.telemetry.devices import DeviceResolver
 from exporter.telemetry.model import DeviceReading, MigDeviceReading, TelemetrySnapshot
+
+if TYPE_CHECKING:
+    from prometheus_client.core import Metric
 
 __all__ = ["ALERTING_THROTTLE_REASONS", "THROTTLE_SERIES", "telemetry_families", "telemetry_health"]
 
@@ -126,8 +130,8 @@ class _Families:
             return
         family = self._families.get(name)
         if family is None:
-            cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
-            family = self._families[name] = cls(name, help_text, labels=list(labels))
+            build = counter if kind == "counter" else gauge
+            family = self._families[name] = build(name, help_text, list(labels))
         family.add_metric(list(labels.values()), float(value))
 
     def result(self) -> list[Metric]:
@@ -222,3 +226,18 @@ def telemetry_families(snapshot: TelemetrySnapshot, resolver: DeviceResolver, th
 def telemetry_health(snapshot: TelemetrySnapshot) -> Health:
     """The sampler's last cycle: success, how long it took, and when a cycle last succeeded."""
     return Health(snapshot.success, snapshot.duration_seconds, snapshot.last_success_timestamp)
+
+
+@register("telemetry", "device telemetry (NVML or mock GPUs), MIG devices, XIDs, and allocations on unknown devices; "
+          "its collector label is the source's name", order=30)
+def _telemetry(inputs: Inputs) -> list[Part]:
+    def families() -> list[Metric]:
+        model = inputs.model()
+        return (telemetry_families(model.snapshot, model.resolver, inputs.series.throttle_reasons)
+                + unknown_device_families(model.unknown_devices))
+
+    def token() -> tuple[int, int]:
+        model = inputs.model()  # device labels follow the allocated ids' spelling: the view too
+        return model.sample_version, model.view.version
+
+    return [Part(inputs.telemetry_source, families, token, health=lambda: telemetry_health(inputs.model().snapshot))]

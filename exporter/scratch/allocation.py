@@ -209,6 +209,12 @@ class AllocationBook:
         self._version = 0
         self._errors_total = 0
         self._view: AllocationView | None = None
+        self._listeners: tuple[Callable[[], None], ...] = ()
+
+    def subscribe(self, listener: Callable[[], None]) -> None:
+        """Call ``listener`` after every change (under the book's lock: it must be quick and
+        must not read the book, e.g. an event's ``set``)."""
+        self._listeners += (listener,)
 
     @property
     def version(self) -> int:
@@ -251,7 +257,7 @@ class AllocationBook:
                 return None
             new = dataclasses.replace(old, identity=identity)
             self._kernels[kernel_id] = new  # allocations unchanged: no totals to move
-            self._version += 1
+            self._changed()
             return new
 
     def remove(self, kernel_id: str) -> bool:
@@ -312,7 +318,13 @@ class AllocationBook:
             self._kernels[new.kernel_id] = new
         elif old is not None:
             del self._kernels[old.kernel_id]
+        self._changed()
+
+    def _changed(self) -> None:
+        # Caller holds the lock.
         self._version += 1
+        for listener in self._listeners:
+            listener()
 
     def _count(self, allocations: Iterable[Allocation], sign: int) -> None:
         for a in allocations:

@@ -158,6 +158,7 @@ class TelemetrySampler:
         self._cond = threading.Condition()
         self._snapshot = TelemetrySnapshot(source=source.name, error="not sampled yet")
         self._version = 0
+        self._listeners: tuple[Callable[[], None], ...] = ()
         self._stop = threading.Event()
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name=f"telemetry-sampler-{source.name}", daemon=True)
@@ -175,6 +176,15 @@ class TelemetrySampler:
     def latest(self) -> TelemetrySnapshot:
         """The last published snapshot; never blocks on the source."""
         return self._snapshot
+
+    def subscribe(self, listener: Callable[[], None]) -> None:
+        """Call ``listener`` after each published snapshot (quick, non-blocking: an event's ``set``)."""
+        self._listeners += (listener,)
+
+    def published(self) -> tuple[int, TelemetrySnapshot]:
+        """(version, snapshot) of the last publication, read together."""
+        with self._cond:
+            return self._version, self._snapshot
 
     def wait_for_version(self, version: int, timeout: float) -> bool:
         """Wait until a snapshot newer than ``version`` is published; False on timeout or when
@@ -317,3 +327,5 @@ class TelemetrySampler:
             self._snapshot = snapshot
             self._version += 1
             self._cond.notify_all()
+        for listener in self._listeners:
+            listener()

@@ -29,7 +29,10 @@ or a budget for response bytes held for clients that do not read. Here:
   scrapes, health checks) and is never queued behind, or refused for, an offloaded request.
   Everything else runs on the loop;
 * bcrypt for basic auth runs in one worker thread, fairly across client addresses
-  (:class:`exporter.web.webconfig.Authenticator`); verified credentials are cached and never wait.
+  (:class:`exporter.web.auth.Authenticator`); verified credentials are cached and never wait.
+
+Every refusal is counted by reason, every eviction too; :meth:`HttpServer.stats` returns them with
+the bytes held as a :class:`~exporter.metrics.server.ServerStats` (the reasons are listed there).
 """
 
 from __future__ import annotations
@@ -52,7 +55,10 @@ from urllib.parse import parse_qs, urlsplit
 
 import h11
 
-from exporter.web.webconfig import Active, WebConfigFile, parse_basic_auth, peer_matches_sans
+from exporter.metrics.server import REJECT_REASONS, ServerStats
+from exporter.web.auth import parse_basic_auth
+from exporter.web.tls import peer_matches_sans
+from exporter.web.webconfig import Active, WebConfigFile
 
 __all__ = ["HttpServer", "Limits", "Request", "Response", "Route", "Router"]
 
@@ -158,11 +164,20 @@ class _Conn:
 
 
 class _Error(Exception):
-    """A request that is answered with ``status`` and then the connection closed (0: just closed)."""
+    """A request that is answered with ``status`` and then the connection closed (0: just closed).
 
-    def __init__(self, status: int, body: bytes = b"") -> None:
+    ``reason`` is what it counts as (:data:`~exporter.metrics.server.REJECT_REASONS`): by default
+    the one of its status; None for a connection that just ends (the client closed, or idled out).
+    """
+
+    def __init__(self, status: int, body: bytes = b"", reason: str | None = "") -> None:
         super().__init__(status)
         self.status, self.body = status, body
+        self.reason = _STATUS_REASONS.get(status, "malformed") if reason == "" else reason
+
+
+# What an error answer counts as; any other status h11 suggests (501: a transfer coding) is malformed too.
+_STATUS_REASONS = {0: None, 400: "malformed", 413: "max_body_bytes", 431: "max_header_bytes", 505: "malformed"}
 
 
 _BAD_REQUEST = b"bad request\n"
@@ -212,10 +227,11 @@ class HttpServer:
         self._renderer: ThreadPoolExecutor | None = None  # one thread: renders for Route.cached
         self._offloaded = 0  # offloaded requests running or queued
         self._held = 0  # bytes of offloaded response bodies not yet written
-        # Counters for tests and the exporter's own metrics.
+        # Counters, written on the loop thread only; the lock makes a snapshot (stats()) consistent.
         self.connections_total = 0
-        self.connections_evicted_total = 0
-        self.rejected_total: dict[int, int] = {}
+        self._rejected = dict.fromkeys(REJECT_REASONS, 0)
+        self._evicted = 0
+        self._stats_lock = threading.Lock()
 
     @property
     def port(self) -> int:
@@ -234,6 +250,12 @@ class HttpServer:
     def held_bytes(self) -> int:
         """Bytes of offloaded response bodies produced and not yet written."""
         return self._held
+
+    def stats(self) -> ServerStats:
+        """Refusals by reason and evictions since start, and the bytes held now. Cheap (a copy of
+        a few counters) and safe to call from any thread."""
+        with self._stats_lock:
+            return ServerStats(rejected=dict(self._rejected), evicted=self._evicted, held_bytes=self._held)
 
     def start(self) -> None:
         if self._web is not None:
@@ -315,7 +337,7 @@ class HttpServer:
                 return
             self.connections_total += 1
             if self.open_connections >= self.limits.max_connections and not self._evict_one():
-                self._count(503)
+                self._reject("max_connections")
                 _refuse(conn)
                 continue
             conn.setblocking(False)
@@ -371,12 +393,13 @@ class HttpServer:
                 if since > cutoff:
                     break
                 self._drop_silent(cid)
+                self._reject("first_byte_timeout")
 
     def _evict_one(self) -> bool:
         """Close the oldest silent connection, else the oldest one not in the middle of a request."""
         if self._silent:
             self._drop_silent(next(iter(self._silent)))
-            self.connections_evicted_total += 1
+            self._evicted_one()
             return True
         waiting = [(c.since, cid) for cid, c in self._conns.items() if c.waiting and c.task is not None]
         if not waiting:
@@ -385,11 +408,17 @@ class HttpServer:
         conn = self._conns.pop(cid)
         assert conn.task is not None
         conn.task.cancel()
-        self.connections_evicted_total += 1
+        self._evicted_one()
         return True
 
-    def _count(self, status: int) -> None:
-        self.rejected_total[status] = self.rejected_total.get(status, 0) + 1
+    def _evicted_one(self) -> None:
+        with self._stats_lock:
+            self._evicted += 1
+
+    def _reject(self, reason: str) -> None:
+        """Count a refusal; ``reason`` is one of REJECT_REASONS (a KeyError otherwise)."""
+        with self._stats_lock:
+            self._rejected[reason] += 1
 
     # -- one connection --------------------------------------------------------------------------
 
@@ -423,40 +452,10 @@ class HttpServer:
         loop = asyncio.get_running_loop()
         reader = asyncio.StreamReader(limit=_CHUNK, loop=loop)
         protocol = asyncio.StreamReaderProtocol(reader, loop=loop)
-        ctx = None
         if self._tls:
-            deadline = self.limits.tls_handshake_timeout
-            try:
-                first = conn.recv(1, socket.MSG_PEEK)  # readable: the first byte is there, or EOF
-            except (BlockingIOError, InterruptedError):
+            transport = await self._start_tls(conn, protocol)
+            if transport is None:
                 return None
-            if not first:
-                return None
-            if first[0] != _TLS_HANDSHAKE_RECORD:
-                # What Go's net/http answers to plain HTTP on a TLS port.
-                body = b"Client sent an HTTP request to an HTTPS server.\n"
-                _send_nowait(conn, b"HTTP/1.0 400 Bad Request\r\nContent-Type: text/plain; charset=utf-8\r\nConnection: close\r\n"
-                             + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-                self._count(400)
-                return None
-            active = self._web.current() if self._web else None
-            ctx = active.ssl_context if active else None
-            if ctx is None:  # TLS was switched off in the file: a restart is needed to serve plain HTTP
-                if not self._warned_tls_off:
-                    log.error("web config no longer configures TLS; refusing TLS connections until restart")
-                    self._warned_tls_off = True
-                return None
-            transport, _ = await asyncio.wait_for(
-                loop.connect_accepted_socket(lambda: protocol, conn, ssl=ctx, ssl_handshake_timeout=deadline),
-                deadline + 1.0,
-            )
-            allowed = active.config.tls.client_allowed_sans if active else None
-            if allowed is not None:
-                ssl_obj = transport.get_extra_info("ssl_object")
-                if not peer_matches_sans(ssl_obj.getpeercert() if ssl_obj else None, allowed):
-                    log.warning("client certificate has none of the allowed SANs; connection closed")
-                    transport.close()
-                    return None
         else:
             transport, _ = await loop.connect_accepted_socket(lambda: protocol, conn)
         # Pause writing at one piece buffered: a client that does not read holds ~64 KiB here,
@@ -464,6 +463,59 @@ class HttpServer:
         transport.set_write_buffer_limits(high=_CHUNK)
         writer = asyncio.StreamWriter(transport, protocol, reader, loop)
         return reader, writer
+
+    async def _start_tls(self, conn: socket.socket, protocol: asyncio.Protocol) -> asyncio.Transport | None:
+        """TLS with the certificate of the web config as it is now; None for a client that is
+        refused (counted) or already gone."""
+        try:
+            first = conn.recv(1, socket.MSG_PEEK)  # readable: the first byte is there, or EOF
+        except (BlockingIOError, InterruptedError):
+            return None
+        if not first:
+            return None
+        if first[0] != _TLS_HANDSHAKE_RECORD:
+            # What Go's net/http answers to plain HTTP on a TLS port.
+            body = b"Client sent an HTTP request to an HTTPS server.\n"
+            _send_nowait(conn, b"HTTP/1.0 400 Bad Request\r\nContent-Type: text/plain; charset=utf-8\r\nConnection: close\r\n"
+                         + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            self._reject("plain_http")
+            return None
+        active = self._web.current() if self._web else None
+        if active is None or active.ssl_context is None:
+            # TLS was switched off in the file: a restart is needed to serve plain HTTP.
+            if not self._warned_tls_off:
+                log.error("web config no longer configures TLS; refusing TLS connections until restart")
+                self._warned_tls_off = True
+            self._reject("tls_disabled")
+            return None
+        transport = await self._handshake(conn, protocol, active.ssl_context)
+        allowed = active.config.tls.client_allowed_sans
+        if allowed is not None:
+            ssl_obj = transport.get_extra_info("ssl_object")
+            if not peer_matches_sans(ssl_obj.getpeercert() if ssl_obj else None, allowed):
+                log.warning("client certificate has none of the allowed SANs; connection closed")
+                # abort(), not close(): it leaves the selector at once, before _serve closes the
+                # socket; a graceful TLS close would keep the closed fd registered until it ends,
+                # and the next connection given that fd number could not be served.
+                transport.abort()
+                self._reject("client_allowed_sans")
+                return None
+        return transport
+
+    async def _handshake(self, conn: socket.socket, protocol: asyncio.Protocol, ctx: ssl.SSLContext) -> asyncio.Transport:
+        """The TLS handshake, within ``tls_handshake_timeout``; a failure is counted and raised."""
+        loop = asyncio.get_running_loop()
+        deadline = self.limits.tls_handshake_timeout
+        started = loop.time()
+        try:
+            transport, _ = await asyncio.wait_for(
+                loop.connect_accepted_socket(lambda: protocol, conn, ssl=ctx, ssl_handshake_timeout=deadline),
+                deadline + 1.0,
+            )
+        except OSError:  # ssl.SSLError, ConnectionError (asyncio's own handshake timeout), TimeoutError
+            self._reject("tls_handshake_timeout" if loop.time() - started >= deadline else "tls_handshake")
+            raise
+        return transport
 
     async def _requests(self, state: _Conn, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         h = h11.Connection(h11.SERVER, max_incomplete_event_size=self.limits.max_header_bytes)
@@ -473,8 +525,9 @@ class HttpServer:
             try:
                 request, close = await self._read_request(h, reader, writer, first)
             except _Error as error:
+                if error.reason is not None:
+                    self._reject(error.reason)
                 if error.status:
-                    self._count(error.status)
                     response = Response(error.status, error.body)
                     await self._send(h, writer, "GET", response, close=True)
                     await _linger(reader, writer)
@@ -501,7 +554,7 @@ class HttpServer:
         if not first and not h.trailing_data[0]:
             # Idle keep-alive: wait for the next request's first byte, then give its head the
             # normal header deadline (a keep-alive slowloris gets no more time than a new one).
-            data = await self._recv(reader, loop.time() + limits.idle_timeout)
+            data = await self._recv(reader, loop.time() + limits.idle_timeout, None)
             h.receive_data(data)
             head += data
             fed += len(data)
@@ -510,7 +563,7 @@ class HttpServer:
             while True:
                 event = h.next_event()
                 if event is h11.NEED_DATA:
-                    data = await self._recv(reader, deadline)
+                    data = await self._recv(reader, deadline, "header_timeout")
                     h.receive_data(data)
                     if len(head) <= limits.max_header_bytes:
                         head += data
@@ -576,7 +629,7 @@ class HttpServer:
             while True:
                 event = h.next_event()
                 if event is h11.NEED_DATA:
-                    h.receive_data(await self._recv(reader, deadline))
+                    h.receive_data(await self._recv(reader, deadline, "header_timeout"))
                 elif isinstance(event, h11.Data):
                     body += event.data
                     if len(body) > self.limits.max_body_bytes:
@@ -588,12 +641,14 @@ class HttpServer:
         except h11.RemoteProtocolError:
             raise _Error(400, _BAD_REQUEST) from None
 
-    async def _recv(self, reader: asyncio.StreamReader, deadline: float) -> bytes:
+    async def _recv(self, reader: asyncio.StreamReader, deadline: float, timeout_reason: str | None) -> bytes:
+        """Bytes from the client by ``deadline`` (loop time); past it the connection is dropped,
+        counted as ``timeout_reason`` (None: an idle keep-alive ends without a refusal)."""
         try:
             async with asyncio.timeout_at(deadline):
                 return await reader.read(_CHUNK)
         except TimeoutError:
-            raise _Error(0) from None  # silent: just drop the connection
+            raise _Error(0, reason=timeout_reason) from None  # silent: just drop the connection
 
     async def _respond(self, request: Request) -> tuple[Response, Request]:
         active: Active | None = self._web.current() if self._web else None
@@ -601,15 +656,15 @@ class HttpServer:
             return await self._call(request), request
         extra = dict(active.config.headers)
         if active.error is not None:
+            self._reject("config_invalid")
             response = Response(500, b"Internal Server Error\n")
         elif not self._web.allow_request():
+            self._reject("rate_limit")
             response = Response(429, b"Too Many Requests\n")
         elif active.config.users:
             response, request = await self._authorize(active, request)
         else:
             response = await self._call(request)
-        if response.status in (401, 429, 500):
-            self._count(response.status)
         response.headers.update(extra)  # also on 401/429/500, as exporter-toolkit does
         return response, request
 
@@ -619,10 +674,12 @@ class HttpServer:
         if creds is not None:
             verdict = await self._web.authenticator.check(active.config.users, *creds, peer=request.peer)
             if verdict is None:
+                self._reject("auth_throttled")
                 return Response(429, b"Too Many Requests\n", headers={"Retry-After": "1"}), request
             if verdict:
                 request = dataclasses.replace(request, user=creds[0].decode("utf-8", "replace"))
                 return await self._call(request), request
+        self._reject("unauthorized")
         return Response(401, b"Unauthorized\n", headers={"WWW-Authenticate": "Basic"}), request
 
     async def _call(self, request: Request) -> Response:
@@ -638,9 +695,16 @@ class HttpServer:
             return await asyncio.get_running_loop().run_in_executor(self._renderer, _run_handler, route.handler, request)
         if not route.offload:
             return _run_handler(route.handler, request)
+        return await self._offload(route, request)
+
+    async def _offload(self, route: Route, request: Request) -> Response:
+        """Run a document route on the worker pool, or refuse it (503) when the pool's queue or the
+        bytes held for slow readers are full."""
         limits = self.limits
-        if self._offloaded >= limits.max_offloaded or self._held >= limits.max_held_bytes:
-            self._count(503)
+        full = ("max_held_bytes" if self._held >= limits.max_held_bytes
+                else "max_offloaded" if self._offloaded >= limits.max_offloaded else None)
+        if full is not None:
+            self._reject(full)
             return _busy()
         if self._pool is None:
             self._pool = ThreadPoolExecutor(limits.offload_workers, thread_name_prefix="http-worker")
@@ -650,39 +714,48 @@ class HttpServer:
         finally:
             self._offloaded -= 1
         if self._held + len(response.body) > limits.max_held_bytes and self._held:
-            self._count(503)
+            self._reject("max_held_bytes")
             return _busy()
         return _Held(response.status, response.body, response.content_type, response.headers)
 
     async def _send(self, h: h11.Connection, writer: asyncio.StreamWriter, method: str, response: Response,
                     close: bool) -> None:
-        body = response.body
-        size = len(body) if isinstance(response, _Held) else 0
+        """Write a response; a client that does not take it within ``write_timeout`` is dropped
+        (TimeoutError) and counted."""
+        size = len(response.body) if isinstance(response, _Held) else 0
         self._held += size
         try:
             async with asyncio.timeout(self.limits.write_timeout):
-                reason = HTTPStatus(response.status).phrase if response.status in HTTPStatus._value2member_map_ else ""
-                headers = [("Content-Type", response.content_type), ("Content-Length", str(len(body))),
-                           *response.headers.items()]
-                if close:
-                    headers.append(("Connection", "close"))
-                try:
-                    writer.write(h.send(h11.Response(status_code=response.status, headers=headers, reason=reason)))
-                    if method != "HEAD":
-                        view = memoryview(body)
-                        for offset in range(0, len(body), _CHUNK):
-                            for piece in h.send_with_data_passthrough(h11.Data(data=view[offset:offset + _CHUNK])):
-                                writer.write(piece)
-                            await writer.drain()
-                    writer.write(h.send(h11.EndOfMessage()))
-                except h11.LocalProtocolError:  # h11 refuses to frame it (never for our own responses)
-                    log.exception("cannot send a %d response", response.status)
-                    raise ConnectionError from None
-                if close:
-                    writer.transport.set_write_buffer_limits(high=0)  # drain() now waits for every byte
-                await writer.drain()
+                await _write(h, writer, method, response, close)
+        except TimeoutError:
+            self._reject("write_timeout")
+            raise
         finally:
             self._held -= size
+
+
+async def _write(h: h11.Connection, writer: asyncio.StreamWriter, method: str, response: Response, close: bool) -> None:
+    """Frame and write one response (only its head for HEAD), waiting while the client is slow to read."""
+    body = response.body
+    reason = HTTPStatus(response.status).phrase if response.status in HTTPStatus._value2member_map_ else ""
+    headers = [("Content-Type", response.content_type), ("Content-Length", str(len(body))), *response.headers.items()]
+    if close:
+        headers.append(("Connection", "close"))
+    try:
+        writer.write(h.send(h11.Response(status_code=response.status, headers=headers, reason=reason)))
+        if method != "HEAD":
+            view = memoryview(body)
+            for offset in range(0, len(body), _CHUNK):
+                for piece in h.send_with_data_passthrough(h11.Data(data=view[offset:offset + _CHUNK])):
+                    writer.write(piece)
+                await writer.drain()
+        writer.write(h.send(h11.EndOfMessage()))
+    except h11.LocalProtocolError:  # h11 refuses to frame it (never for our own responses)
+        log.exception("cannot send a %d response", response.status)
+        raise ConnectionError from None
+    if close:
+        writer.transport.set_write_buffer_limits(high=0)  # drain() now waits for every byte
+    await writer.drain()
 
 
 class _Held(Response):

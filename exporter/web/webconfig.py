@@ -1,4 +1,4 @@
-"""The Prometheus exporter-toolkit ``--web.config.file``: TLS, mTLS, basic auth, headers, rate limit.
+"""The Prometheus exporter-toolkit ``--web.config.file``: its schema, loading, and reloading while serving.
 
 Same YAML as every official exporter (node_exporter, Prometheus itself)::
 
@@ -18,62 +18,56 @@ Semantics reproduced from exporter-toolkit (``web/tls_config.go``, ``web/handler
 
 * **Strict**: an unknown key, a duplicate key or a value of the wrong type is an error (the CLI
   exits 2 at startup). Only the five allowed response headers may be set, two of them only to
-  enumerated values.
+  enumerated values. The schema is pydantic models; the rules between keys are their validators.
 * TLS is on when any of cert/key/client CA/client auth is set; cert and key are then both required.
   A client CA without a client auth policy is an error, as is an unknown ``client_auth_type``.
-* Basic auth: values are bcrypt hashes (``$2a$``, ``$2b$``, ``$2y$``). An unknown user is checked
-  against a fixed fake hash, so response timing does not reveal which users exist. Results are
-  cached per (user, hash, password); bcrypt (~60 ms at cost 10) runs in **one** worker thread,
-  never on the serving loop. A flood of wrong passwords therefore queues there (bounded) while a
-  scrape with the right password is answered from the cache.
+  :mod:`exporter.web.tls` turns the settings into an SSL context.
+* Basic auth: values are bcrypt hashes (``$2a$``, ``$2b$``, ``$2y$``) of cost 4 to 31; checking a
+  password is :mod:`exporter.web.auth`'s.
 * The file is re-checked while serving (its and the certificate files' inode, size and mtime,
   at most once per ``check_interval``). Rotated certificates take effect for new connections
   without a restart. A change that makes the file invalid is logged and **fails closed**: every
   request gets 500 until the file is fixed (as exporter-toolkit does); a certificate pair that does
   not load (e.g. the key is rewritten a moment after the cert) keeps the previous certificate.
 
-Where Python's ``ssl`` module cannot do what Go's crypto/tls does, the nearest safe behaviour is
-chosen and documented in docs/security.md: ``RequestClientCert`` requests nothing (the exporter
-never uses an unverified certificate), ``RequireAnyClientCert`` needs a ``client_ca_file`` and then
-also verifies, TLS 1.3 cipher suites are fixed by OpenSSL (as in Go), only the first
-``curve_preferences`` entry is used (Python 3.11 sets a single group), and ``http2`` is accepted but
-the server speaks HTTP/1.1 (Prometheus falls back via ALPN).
+``http2`` is accepted but the server speaks HTTP/1.1 (Prometheus falls back via ALPN); what else
+Python's ``ssl`` module does differently from Go is in :mod:`exporter.web.tls` and docs/security.md.
 """
 
 from __future__ import annotations
 
-import asyncio
-import base64
-import binascii
 import functools
-import hashlib
-import hmac
-import ipaddress
 import logging
 import os
 import re
-import secrets
 import ssl
 import threading
 import time
-import warnings
-from collections import OrderedDict, deque
-from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
+from exporter.web.auth import Authenticator, RateLimiter
+from exporter.web.tls import (
+    CIPHERS_TLS12,
+    CIPHERS_TLS13,
+    CLIENT_AUTH_TYPES,
+    CURVES,
+    TLS_VERSIONS,
+    TLSConfigError,
+    TLSSettings,
+    build_ssl_context,
+)
+
 __all__ = [
     "ALLOWED_HEADERS",
-    "Authenticator",
-    "RateLimiter",
-    "TLSSettings",
+    "Active",
     "WebConfig",
     "WebConfigError",
     "WebConfigFile",
-    "build_ssl_context",
     "load_web_config",
+    "parse_go_duration",
     "parse_web_config",
 ]
 
@@ -90,72 +84,14 @@ ALLOWED_HEADERS: Mapping[str, tuple[str, ...] | None] = MappingProxyType({
     "Content-Security-Policy": None,
 })
 
-_TLS_VERSIONS = {
-    "TLS10": ssl.TLSVersion.TLSv1,
-    "TLS11": ssl.TLSVersion.TLSv1_1,
-    "TLS12": ssl.TLSVersion.TLSv1_2,
-    "TLS13": ssl.TLSVersion.TLSv1_3,
-}
-
-_CLIENT_AUTH_TYPES = (
-    "", "NoClientCert", "RequestClientCert", "RequireAnyClientCert", "RequireClientCert",
-    "VerifyClientCertIfGiven", "RequireAndVerifyClientCert",
-)
-
-# Go's tls.CipherSuites() names -> OpenSSL names. Go ignores TLS 1.3 suites in this list (they are
-# not configurable there); OpenSSL's set_ciphers() does not touch TLS 1.3 either.
-_CIPHERS_TLS12 = {
-    "TLS_RSA_WITH_AES_128_CBC_SHA": "AES128-SHA",
-    "TLS_RSA_WITH_AES_256_CBC_SHA": "AES256-SHA",
-    "TLS_RSA_WITH_AES_128_GCM_SHA256": "AES128-GCM-SHA256",
-    "TLS_RSA_WITH_AES_256_GCM_SHA384": "AES256-GCM-SHA384",
-    "TLS_ECDHE_ECDSA_WITH_AES_128_CBC_SHA": "ECDHE-ECDSA-AES128-SHA",
-    "TLS_ECDHE_ECDSA_WITH_AES_256_CBC_SHA": "ECDHE-ECDSA-AES256-SHA",
-    "TLS_ECDHE_RSA_WITH_AES_128_CBC_SHA": "ECDHE-RSA-AES128-SHA",
-    "TLS_ECDHE_RSA_WITH_AES_256_CBC_SHA": "ECDHE-RSA-AES256-SHA",
-    "TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256": "ECDHE-ECDSA-AES128-GCM-SHA256",
-    "TLS_ECDHE_ECDSA_WITH_AES_256_GCM_SHA384": "ECDHE-ECDSA-AES256-GCM-SHA384",
-    "TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256": "ECDHE-RSA-AES128-GCM-SHA256",
-    "TLS_ECDHE_RSA_WITH_AES_256_GCM_SHA384": "ECDHE-RSA-AES256-GCM-SHA384",
-    "TLS_ECDHE_RSA_WITH_CHACHA20_POLY1305_SHA256": "ECDHE-RSA-CHACHA20-POLY1305",
-    "TLS_ECDHE_ECDSA_WITH_CHACHA20_POLY1305_SHA256": "ECDHE-ECDSA-CHACHA20-POLY1305",
-}
-_CIPHERS_TLS13 = ("TLS_AES_128_GCM_SHA256", "TLS_AES_256_GCM_SHA384", "TLS_CHACHA20_POLY1305_SHA256")
-
-_CURVES = {"CurveP256": "prime256v1", "CurveP384": "secp384r1", "CurveP521": "secp521r1", "X25519": "X25519"}
-
 _BCRYPT_HASH = re.compile(r"^\$2[aby]\$(\d\d)\$[./A-Za-z0-9]{53}$")
-# bcrypt("fakepassword", cost 10): unknown users are checked against it so they cost the same time.
-FAKE_HASH = b"$2y$10$QOauhQNbBCuQDKes6eFzPeMqBSjb7Mr5DUmpZ/VcEd00UAV/LDeSi"
+
 
 class WebConfigError(Exception):
     """An unusable web config; ``str()`` is one line naming the file and the key."""
 
 
 # -- parsing ---------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TLSSettings:
-    cert_file: str = ""
-    key_file: str = ""
-    cert: str = ""  # inline PEM (newer exporter-toolkit)
-    key: str = ""
-    client_auth_type: str = ""
-    client_ca_file: str = ""
-    client_ca: str = ""
-    cipher_suites: tuple[str, ...] = ()
-    curve_preferences: tuple[str, ...] = ()
-    min_version: str = "TLS12"
-    max_version: str = "TLS13"
-    prefer_server_cipher_suites: bool = True
-    client_allowed_sans: tuple[str, ...] | None = None
-
-    @property
-    def enabled(self) -> bool:
-        """exporter-toolkit's ``IsEnabled``: any TLS field set turns TLS on."""
-        return any((self.cert_file, self.cert, self.key_file, self.key, self.client_ca_file, self.client_ca,
-                    self.client_auth_type))
 
 
 @dataclass(frozen=True)
@@ -216,8 +152,8 @@ def load_web_config(path: str | os.PathLike[str]) -> WebConfig:
 def _context_for(config: WebConfig) -> ssl.SSLContext | None:
     """build_ssl_context with the file named in the error."""
     try:
-        return build_ssl_context(config)
-    except WebConfigError as exc:
+        return build_ssl_context(config.tls)
+    except TLSConfigError as exc:
         raise WebConfigError(f"web config {config.path}: {exc}" if config.path else str(exc)) from None
 
 
@@ -242,7 +178,23 @@ def parse_web_config(text: str, path: str | None = None) -> WebConfig:
         raise WebConfigError(f"{where}: {exc}") from None
 
 
-# -- the schema: key names, nesting and types (pydantic); the rules between keys are below ---------
+def _build(doc: Any, path: str | None) -> WebConfig:
+    from pydantic import ValidationError
+
+    schema = _schema()
+    try:
+        model = schema.root.model_validate({} if doc is None else doc)
+    except ValidationError as exc:
+        raise _schema_error(exc.errors(include_input=False, include_url=False), schema) from None
+    base = os.path.dirname(path) if path else os.getcwd()
+    tls = (model.tls_server_config or schema.tls()).settings(base)
+    http = model.http_server_config or schema.http()
+    users = {user.encode(): hashed.encode() for user, hashed in (model.basic_auth_users or {}).items()}
+    rate = (model.rate_limit or schema.rate_limit()).limit()
+    return WebConfig(path, tls, tuple((http.headers or {}).items()), MappingProxyType(users), http.http2, rate)
+
+
+# -- the schema: key names, nesting and types, and the rules between keys as validators -------------
 
 
 class _Schema(NamedTuple):
@@ -257,11 +209,24 @@ class _Schema(NamedTuple):
         return {"tls_server_config": self.tls, "http_server_config": self.http, "rate_limit": self.rate_limit}[key]
 
 
+# The pydantic error type of a broken rule between keys; its message is complete (key and reason).
+_RULE = "web_config_rule"
+# Of several sections with a broken rule, the one reported (the order is part of the behaviour).
+_RULE_ORDER = ("tls_server_config", "basic_auth_users", "rate_limit", "http_server_config")
+_TLS = "tls_server_config"
+_TLS_STRINGS = ("cert_file", "key_file", "cert", "key", "client_auth_type", "client_ca_file", "client_ca")
+_TLS_FILES = ("cert_file", "key_file", "client_ca_file")
+
+
 @functools.cache
 def _schema() -> _Schema:
     """Defined on the first load of a web config, not at import: pydantic costs ~20 MiB and ~0.15 s
-    of a start that must stay within 1 s and 60 MiB, and most exporters run without a web config."""
-    from pydantic import BaseModel, ConfigDict, Field
+    of a start that must stay within 1 s and 60 MiB, and most exporters run without a web config.
+
+    Each rule between keys is a validator that runs once the types are right; of several broken
+    rules in one section, the first is reported (``_TLS_RULES`` in order, headers and users in the
+    file's order)."""
+    from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
     class _Strict(BaseModel):
         # Like Go's yaml.UnmarshalStrict into exporter-toolkit's structs: unknown keys and values of the
@@ -283,13 +248,41 @@ def _schema() -> _Schema:
         prefer_server_cipher_suites: bool = True
         client_allowed_sans: list[str] | None = None
 
+        def settings(self, base: str = "") -> TLSSettings:
+            """The settings with defaults filled in and file paths resolved against ``base``."""
+            return _tls_settings(self, base)
+
+        @model_validator(mode="after")
+        def _rules_between_keys(self) -> _TLSModel:
+            tls = self.settings()
+            for rule in _TLS_RULES:  # in order: the first broken one is reported
+                _check(rule(tls))
+            return self
+
     class _HTTPModel(_Strict):
         http2: bool = True
         headers: dict[str, str] | None = None
 
+        @field_validator("headers")
+        @classmethod
+        def _allowed_headers(cls, headers: dict[str, str] | None) -> dict[str, str] | None:
+            _check(_first(_header_problem(name, value) for name, value in (headers or {}).items()))
+            return headers
+
     class _RateLimitModel(_Strict):
         interval: int | str = 0  # a Go duration string, or an integer of nanoseconds
         burst: int = Field(0, ge=0)
+
+        @field_validator("interval")
+        @classmethod
+        def _duration(cls, interval: int | str) -> int | str:
+            _check(_interval_problem(interval))
+            return interval
+
+        def limit(self) -> tuple[float, int] | None:
+            """(seconds per token, burst), or None when the interval is 0 (no limit)."""
+            seconds = _interval_seconds(self.interval)
+            return (seconds, self.burst) if seconds is not None and seconds > 0 else None
 
     class _WebConfigModel(_Strict):
         tls_server_config: _TLSModel | None = None
@@ -297,53 +290,37 @@ def _schema() -> _Schema:
         basic_auth_users: dict[str, str] | None = None
         rate_limit: _RateLimitModel | None = None
 
+        @field_validator("basic_auth_users")
+        @classmethod
+        def _bcrypt_hashes(cls, users: dict[str, str] | None) -> dict[str, str] | None:
+            _check(_first(_hash_problem(user, hashed) for user, hashed in (users or {}).items()))
+            return users
+
     return _Schema(_WebConfigModel, _TLSModel, _HTTPModel, _RateLimitModel)
 
 
-# What a wrong type is called in an error (pydantic's error types; never the value, never a class).
-_EXPECTED = {
-    "model_type": "expected a mapping", "model_attributes_type": "expected a mapping", "dict_type": "expected a mapping",
-    "string_type": "expected a string", "bool_type": "expected true or false", "list_type": "expected a list of strings",
-    "int_type": "expected an integer", "greater_than_equal": "expected a non-negative integer",
-}
+def _check(message: str | None) -> None:
+    """A broken rule as pydantic's error, so that it is collected with the type errors."""
+    if message is not None:
+        from pydantic_core import PydanticCustomError
+
+        raise PydanticCustomError(_RULE, "{message}", {"message": message})
 
 
-def _schema_error(error: Any, schema: _Schema) -> WebConfigError:
-    """One pydantic error as one line: the dotted key and the reason."""
-    loc = [str(p) for p in error["loc"] if p != "[key]"]
-    if error["loc"] and error["loc"][-1] == "[key]":
-        return WebConfigError(f"{'.'.join(loc[:-1]) or 'top level'}: a key is not a string (quote it)")
-    # A union (int | str) reports each member; the type names are pydantic's, so name the field only.
-    loc = [p for p in loc if p not in ("int", "str")]
-    key = ".".join(loc)
-    kind = error["type"]
-    if kind == "extra_forbidden":
-        model = schema.root
-        for part in loc[:-1]:
-            model = schema.section(part)
-        return WebConfigError(f"unknown key '{key}' (allowed: {', '.join(model.model_fields)})")
-    if key == "basic_auth_users" or key.startswith("basic_auth_users."):
-        if kind == "string_type" and len(loc) == 2:
-            return WebConfigError(f"{key}: expected a bcrypt hash string")
-    if key == "rate_limit.interval":
-        return WebConfigError(f"{key}: expected a duration such as 1s")
-    return WebConfigError(f"{key or 'top level'}: {_EXPECTED.get(kind, 'not valid here')}")
+def _first(problems: Iterable[str | None]) -> str | None:
+    return next((p for p in problems if p is not None), None)
 
 
-def _build(doc: Any, path: str | None) -> WebConfig:
-    from pydantic import ValidationError
-
-    schema = _schema()
-    try:
-        model = schema.root.model_validate({} if doc is None else doc)
-    except ValidationError as exc:
-        raise _schema_error(exc.errors(include_input=False, include_url=False)[0], schema) from None
-    base = os.path.dirname(path) if path else os.getcwd()
-    tls = _tls(model.tls_server_config or schema.tls(), base)
-    http = model.http_server_config or schema.http()
-    users = _users(model.basic_auth_users or {})
-    rate = _rate_limit(model.rate_limit or schema.rate_limit())
-    return WebConfig(path, tls, _headers(http.headers or {}), MappingProxyType(users), http.http2, rate)
+def _tls_settings(raw: Any, base: str) -> TLSSettings:  # raw: a validated tls_server_config
+    strings = {k: getattr(raw, k) or "" for k in _TLS_STRINGS}
+    for k in _TLS_FILES:
+        strings[k] = _join(base, strings[k])
+    sans = raw.client_allowed_sans
+    return TLSSettings(**strings, cipher_suites=tuple(raw.cipher_suites or ()),
+                       curve_preferences=tuple(raw.curve_preferences or ()),
+                       min_version=raw.min_version or "TLS12", max_version=raw.max_version or "TLS13",
+                       prefer_server_cipher_suites=raw.prefer_server_cipher_suites,
+                       client_allowed_sans=None if sans is None else tuple(sans))
 
 
 def _join(base: str, p: str) -> str:
@@ -351,84 +328,107 @@ def _join(base: str, p: str) -> str:
     return p if not p or os.path.isabs(p) else os.path.join(base, p)
 
 
-def _tls(raw: Any, base: str) -> TLSSettings:  # raw: the validated tls_server_config
-    w = "tls_server_config"
-    s = {k: getattr(raw, k) or "" for k in
-         ("cert_file", "key_file", "cert", "key", "client_auth_type", "client_ca_file", "client_ca")}
-    for k in ("cert_file", "key_file", "client_ca_file"):
-        s[k] = _join(base, s[k])
-    for a, b in (("cert", "cert_file"), ("key", "key_file"), ("client_ca", "client_ca_file")):
-        if s[a] and s[b]:
-            raise WebConfigError(f"{w}: at most one of {a} and {b} must be configured")
-    ciphers = tuple(raw.cipher_suites or ())
-    for i, name in enumerate(ciphers):
-        if name not in _CIPHERS_TLS12 and name not in _CIPHERS_TLS13:
-            raise WebConfigError(f"{w}.cipher_suites[{i}]: unknown cipher (Go's tls.CipherSuites() names)")
-    curves = tuple(raw.curve_preferences or ())
-    for i, name in enumerate(curves):
-        if name not in _CURVES:
-            raise WebConfigError(f"{w}.curve_preferences[{i}]: unknown curve (allowed: {', '.join(_CURVES)})")
-    versions = {}
-    for k, default in (("min_version", "TLS12"), ("max_version", "TLS13")):
-        v = getattr(raw, k) or default
-        if v not in _TLS_VERSIONS:
-            raise WebConfigError(f"{w}.{k}: unknown TLS version (allowed: {', '.join(_TLS_VERSIONS)})")
-        versions[k] = v
-    sans = raw.client_allowed_sans
-    tls = TLSSettings(**s, cipher_suites=ciphers, curve_preferences=curves,
-                      prefer_server_cipher_suites=raw.prefer_server_cipher_suites,
-                      client_allowed_sans=None if sans is None else tuple(sans), **versions)
+# The rules between keys, as exporter-toolkit's ConfigToTLSConfig and Validate check them. Each
+# returns the broken rule as one line, or None.
+
+
+def _tls_one_source_each(tls: TLSSettings) -> str | None:
+    for inline, file in (("cert", "cert_file"), ("key", "key_file"), ("client_ca", "client_ca_file")):
+        if getattr(tls, inline) and getattr(tls, file):
+            return f"{_TLS}: at most one of {inline} and {file} must be configured"
+    return None
+
+
+def _tls_known_names(tls: TLSSettings) -> str | None:
+    for i, name in enumerate(tls.cipher_suites):
+        if name not in CIPHERS_TLS12 and name not in CIPHERS_TLS13:
+            return f"{_TLS}.cipher_suites[{i}]: unknown cipher (Go's tls.CipherSuites() names)"
+    for i, name in enumerate(tls.curve_preferences):
+        if name not in CURVES:
+            return f"{_TLS}.curve_preferences[{i}]: unknown curve (allowed: {', '.join(CURVES)})"
+    for key in ("min_version", "max_version"):
+        if getattr(tls, key) not in TLS_VERSIONS:
+            return f"{_TLS}.{key}: unknown TLS version (allowed: {', '.join(TLS_VERSIONS)})"
+    return None
+
+
+def _tls_certificate(tls: TLSSettings) -> str | None:
     if not tls.enabled:
-        return tls
+        return None
     if not (tls.cert_file or tls.cert):
-        raise WebConfigError(f"{w}: missing one of cert or cert_file")
+        return f"{_TLS}: missing one of cert or cert_file"
     if not (tls.key_file or tls.key):
-        raise WebConfigError(f"{w}: missing one of key or key_file")
-    if tls.client_auth_type not in _CLIENT_AUTH_TYPES:
-        raise WebConfigError(f"{w}.client_auth_type: invalid ClientAuth (allowed: {', '.join(_CLIENT_AUTH_TYPES[1:])})")
-    no_auth = tls.client_auth_type in ("", "NoClientCert")
-    if (tls.client_ca_file or tls.client_ca) and no_auth:
-        raise WebConfigError(f"{w}: client CA's have been configured without a Client Auth Policy")
-    if tls.client_allowed_sans is not None and tls.client_auth_type not in (
+        return f"{_TLS}: missing one of key or key_file"
+    return None
+
+
+def _tls_client_auth(tls: TLSSettings) -> str | None:
+    auth = tls.client_auth_type
+    if not tls.enabled:
+        return None
+    if auth not in CLIENT_AUTH_TYPES:
+        return f"{_TLS}.client_auth_type: invalid ClientAuth (allowed: {', '.join(CLIENT_AUTH_TYPES[1:])})"
+    if tls.has_client_ca and auth in ("", "NoClientCert"):
+        return f"{_TLS}: client CA's have been configured without a Client Auth Policy"
+    if tls.client_allowed_sans is not None and auth not in (
         "RequireAnyClientCert", "RequireClientCert", "RequireAndVerifyClientCert"
     ):
-        raise WebConfigError(f"{w}: client_allowed_sans requires client_auth_type to be one of "
-                             "RequireAnyClientCert or RequireAndVerifyClientCert")
-    if tls.client_auth_type in ("RequireAnyClientCert", "RequireClientCert") and not (tls.client_ca_file or tls.client_ca):
-        raise WebConfigError(f"{w}: client_auth_type {tls.client_auth_type} needs client_ca_file here: Python's ssl "
-                             "module cannot require a client certificate without verifying it")
-    if _TLS_VERSIONS[tls.min_version] > _TLS_VERSIONS[tls.max_version]:
-        raise WebConfigError(f"{w}: min_version {tls.min_version} is above max_version {tls.max_version}")
-    return tls
+        return (f"{_TLS}: client_allowed_sans requires client_auth_type to be one of "
+                "RequireAnyClientCert or RequireAndVerifyClientCert")
+    if auth in ("RequireAnyClientCert", "RequireClientCert") and not tls.has_client_ca:
+        return (f"{_TLS}: client_auth_type {auth} needs client_ca_file here: Python's ssl "
+                "module cannot require a client certificate without verifying it")
+    return None
 
 
-def _headers(raw: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+def _tls_version_order(tls: TLSSettings) -> str | None:
+    if tls.enabled and TLS_VERSIONS[tls.min_version] > TLS_VERSIONS[tls.max_version]:
+        return f"{_TLS}: min_version {tls.min_version} is above max_version {tls.max_version}"
+    return None
+
+
+# Rules for any tls_server_config, then those for one that turns TLS on.
+_TLS_RULES: tuple[Callable[[TLSSettings], str | None], ...] = (
+    _tls_one_source_each, _tls_known_names, _tls_certificate, _tls_client_auth, _tls_version_order,
+)
+
+
+def _header_problem(name: str, value: str) -> str | None:
     w = "http_server_config.headers"
-    out = []
-    for name, value in raw.items():
-        if name not in ALLOWED_HEADERS:
-            raise WebConfigError(f'{w}: HTTP header "{name}" can not be configured')
-        allowed = ALLOWED_HEADERS[name]
-        if allowed is not None and value not in allowed:
-            shown = "[" + " ".join(f'"{a}"' for a in allowed) + "]"
-            raise WebConfigError(f"{w}: invalid value for {name}. Expected one of: {shown}")
-        if any(ord(c) < 0x20 and c != "\t" or ord(c) == 0x7F for c in value) or not value.isascii():
-            raise WebConfigError(f"{w}.{name}: value contains control or non-ASCII characters")
-        out.append((name, value))
-    return tuple(out)
+    if name not in ALLOWED_HEADERS:
+        return f'{w}: HTTP header "{name}" can not be configured'
+    allowed = ALLOWED_HEADERS[name]
+    if allowed is not None and value not in allowed:
+        shown = "[" + " ".join(f'"{a}"' for a in allowed) + "]"
+        return f"{w}: invalid value for {name}. Expected one of: {shown}"
+    if any(ord(c) < 0x20 and c != "\t" or ord(c) == 0x7F for c in value) or not value.isascii():
+        return f"{w}.{name}: value contains control or non-ASCII characters"
+    return None
 
 
-def _users(raw: Mapping[str, str]) -> dict[bytes, bytes]:
-    w = "basic_auth_users"
-    out = {}
-    for user, hashed in raw.items():
-        m = _BCRYPT_HASH.match(hashed)
-        if not m:
-            raise WebConfigError(f"{w}.{user}: not a bcrypt hash ($2a$, $2b$ or $2y$, cost, 53 characters of salt and hash)")
-        if not 4 <= int(m.group(1)) <= 31:
-            raise WebConfigError(f"{w}.{user}: the bcrypt cost is outside 4..31")
-        out[user.encode()] = hashed.encode()
-    return out
+def _hash_problem(user: str, hashed: str) -> str | None:
+    m = _BCRYPT_HASH.match(hashed)
+    if not m:
+        return f"basic_auth_users.{user}: not a bcrypt hash ($2a$, $2b$ or $2y$, cost, 53 characters of salt and hash)"
+    if not 4 <= int(m.group(1)) <= 31:
+        return f"basic_auth_users.{user}: the bcrypt cost is outside 4..31"
+    return None
+
+
+def _interval_problem(interval: int | str) -> str | None:
+    if _interval_seconds(interval) is None:
+        return "rate_limit.interval: invalid duration (a Go duration such as 250ms or 1m30s)"
+    return None
+
+
+def _interval_seconds(interval: int | str) -> float | None:
+    """A rate_limit interval in seconds, or None if it is not a duration."""
+    if isinstance(interval, int):
+        return interval * 1e-9  # a bare YAML integer is nanoseconds for a Go time.Duration
+    try:
+        return parse_go_duration(interval)
+    except ValueError:
+        return None
 
 
 _DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|μs|ms|s|m|h)")
@@ -451,291 +451,47 @@ def parse_go_duration(text: str) -> float:
     return total
 
 
-def _rate_limit(raw: Any) -> tuple[float, int] | None:  # raw: the validated rate_limit
-    w = "rate_limit"
-    if isinstance(raw.interval, int):
-        seconds = raw.interval * 1e-9  # a bare YAML integer is nanoseconds for a Go time.Duration
-    else:
-        try:
-            seconds = parse_go_duration(raw.interval)
-        except ValueError:
-            raise WebConfigError(f"{w}.interval: invalid duration (a Go duration such as 250ms or 1m30s)") from None
-    return (seconds, raw.burst) if seconds > 0 else None
+# What a wrong type is called in an error (pydantic's error types; never the value, never a class).
+_EXPECTED = {
+    "model_type": "expected a mapping", "model_attributes_type": "expected a mapping", "dict_type": "expected a mapping",
+    "string_type": "expected a string", "bool_type": "expected true or false", "list_type": "expected a list of strings",
+    "int_type": "expected an integer", "greater_than_equal": "expected a non-negative integer",
+}
 
 
-# -- TLS ---------------------------------------------------------------------------------------------
+def _schema_error(errors: list[Any], schema: _Schema) -> WebConfigError:
+    """The error to report, as one line: a wrong key or type first (as exporter-toolkit, which
+    checks the rules between keys only once the file unmarshals), else the first broken rule in
+    the order of ``_RULE_ORDER``."""
+    wrong = [e for e in errors if e["type"] != _RULE]
+    if not wrong:
+        rule = min(errors, key=lambda e: _RULE_ORDER.index(e["loc"][0]))
+        return WebConfigError(rule["msg"])
+    return WebConfigError(_type_problem(wrong[0], schema))
 
 
-def _no_password() -> bytes:
-    raise WebConfigError("the private key is encrypted (exporter-toolkit does not support passphrases either)")
+def _type_problem(error: Any, schema: _Schema) -> str:
+    """One pydantic error of a key or type: the dotted key and the reason."""
+    loc = [str(p) for p in error["loc"] if p != "[key]"]
+    if error["loc"] and error["loc"][-1] == "[key]":
+        return f"{'.'.join(loc[:-1]) or 'top level'}: a key is not a string (quote it)"
+    # A union (int | str) reports each member; the type names are pydantic's, so name the field only.
+    loc = [p for p in loc if p not in ("int", "str")]
+    key = ".".join(loc)
+    if error["type"] == "extra_forbidden":
+        model = schema.root
+        for part in loc[:-1]:
+            model = schema.section(part)
+        return f"unknown key '{key}' (allowed: {', '.join(model.model_fields)})"
+    return f"{key or 'top level'}: {_type_reason(loc, error['type'])}"
 
 
-def _load_pem_pair(ctx: ssl.SSLContext, tls: TLSSettings) -> None:
-    fds: list[int] = []
-
-    def as_path(inline: str, name: str) -> str:
-        fd = os.memfd_create(name, os.MFD_CLOEXEC)
-        fds.append(fd)
-        os.write(fd, inline.encode())
-        return f"/proc/self/fd/{fd}"
-
-    try:
-        cert = tls.cert_file or as_path(tls.cert, "cert")
-        key = tls.key_file or as_path(tls.key, "key")
-        for what, p in (("cert_file", tls.cert_file), ("key_file", tls.key_file)):
-            if p and not os.path.isfile(p):
-                raise WebConfigError(f"failed to read {what} ({p}): " + ("no such file" if not os.path.exists(p) else "not a regular file"))
-        try:
-            ctx.load_cert_chain(cert, key, password=_no_password)
-        except WebConfigError:
-            raise
-        except PermissionError as exc:
-            raise WebConfigError(f"failed to read certificate or key: {exc.strerror} ({exc.filename})") from None
-        except (ssl.SSLError, OSError) as exc:
-            raise WebConfigError(f"failed to load X509KeyPair: {_ssl_reason(exc)}") from None
-    finally:
-        for fd in fds:
-            os.close(fd)
-
-
-def _ssl_reason(exc: BaseException) -> str:
-    if isinstance(exc, ssl.SSLError) and exc.reason:
-        return f"{exc.library or 'ssl'}: {exc.reason}".replace("_", " ").lower()
-    return " ".join(str(exc).split())
-
-
-def build_ssl_context(config: WebConfig) -> ssl.SSLContext | None:
-    """An SSL context for the config's TLS settings, or None when TLS is off.
-
-    :raises WebConfigError: if the certificate, key or CA cannot be loaded.
-    """
-    tls = config.tls
-    if not tls.enabled:
-        return None
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    with warnings.catch_warnings():  # TLS10/TLS11 are deprecated in Python; honour them anyway
-        warnings.simplefilter("ignore", DeprecationWarning)
-        ctx.minimum_version = _TLS_VERSIONS[tls.min_version]
-        ctx.maximum_version = _TLS_VERSIONS[tls.max_version]
-    _load_pem_pair(ctx, tls)
-    tls12 = [_CIPHERS_TLS12[c] for c in tls.cipher_suites if c in _CIPHERS_TLS12]
-    if tls12:
-        try:
-            ctx.set_ciphers(":".join(tls12))
-        except ssl.SSLError:
-            raise WebConfigError("tls_server_config.cipher_suites: none of the listed suites is available in this OpenSSL") from None
-    if tls.prefer_server_cipher_suites:
-        ctx.options |= ssl.OP_CIPHER_SERVER_PREFERENCE
-    else:
-        ctx.options &= ~ssl.OP_CIPHER_SERVER_PREFERENCE
-    if tls.curve_preferences:
-        # Python 3.11 can set only one group; the first preference is the one Go would pick
-        # with a Go client, and restricting to it keeps the operator's restriction.
-        try:
-            ctx.set_ecdh_curve(_CURVES[tls.curve_preferences[0]])
-        except (ValueError, ssl.SSLError):
-            raise WebConfigError(f"tls_server_config.curve_preferences: {tls.curve_preferences[0]} is not available") from None
-    auth = tls.client_auth_type
-    if auth in ("VerifyClientCertIfGiven", "RequireAndVerifyClientCert", "RequireAnyClientCert", "RequireClientCert"):
-        ctx.verify_mode = ssl.CERT_OPTIONAL if auth == "VerifyClientCertIfGiven" else ssl.CERT_REQUIRED
-        try:
-            if tls.client_ca_file:
-                ctx.load_verify_locations(cafile=tls.client_ca_file)
-            elif tls.client_ca:
-                ctx.load_verify_locations(cadata=tls.client_ca)
-            else:
-                ctx.load_default_certs(ssl.Purpose.CLIENT_AUTH)  # Go uses the system roots then
-        except FileNotFoundError:
-            raise WebConfigError(f"tls_server_config.client_ca_file: no such file ({tls.client_ca_file})") from None
-        except (ssl.SSLError, OSError, ValueError) as exc:
-            raise WebConfigError(f"tls_server_config: cannot load the client CA: {_ssl_reason(exc)}") from None
-        if (tls.client_ca_file or tls.client_ca) and not ctx.get_ca_certs():
-            raise WebConfigError("tls_server_config: the client CA contains no certificates")
-    ctx.set_alpn_protocols(["http/1.1"])
-    return ctx
-
-
-def peer_matches_sans(peer_cert: dict | None, allowed: tuple[str, ...]) -> bool:
-    """exporter-toolkit's VerifyPeerCertificate: any DNS, email, IP or URI SAN equal to an allowed value."""
-    if not peer_cert:
-        return False
-    allowed_set = set(allowed)
-    for kind, value in peer_cert.get("subjectAltName", ()):
-        if kind == "IP Address":
-            try:
-                value = str(ipaddress.ip_address(value.strip()))
-            except ValueError:
-                continue
-        if kind in ("DNS", "email", "IP Address", "URI") and value in allowed_set:
-            return True
-    return False
-
-
-# -- basic auth --------------------------------------------------------------------------------------
-
-
-def parse_basic_auth(header: str) -> tuple[bytes, bytes] | None:
-    """``Authorization: Basic base64(user:password)`` → (user, password) as bytes, else None."""
-    scheme, _, param = header.strip().partition(" ")
-    if scheme.lower() != "basic":
-        return None
-    try:
-        raw = base64.b64decode(param.strip(), validate=True)
-    except (binascii.Error, ValueError):
-        return None
-    user, sep, password = raw.partition(b":")
-    return (user, password) if sep else None
-
-
-class Authenticator:
-    """bcrypt checks with a cache, in one worker thread, never on the event loop, fair across clients.
-
-    Verified credentials are cached (keyed digests, LRU) and answered at once, so a scraper that got
-    in once never waits on bcrypt again. Uncached checks queue per client address and the worker
-    takes them round-robin across addresses: a flood of guesses from one address delays a first
-    login from another by at most one bcrypt run per busy address, instead of a whole queue.
-
-    Only failures are limited, per address: at most ``max_pending_per_peer`` uncached checks wait at
-    once, and an address that failed ``failure_burst`` times gets no further uncached check until its
-    budget refills (one attempt per ``failure_interval`` seconds). Beyond either, :meth:`check`
-    answers None (the server says 429). A client sharing its address with a guesser shares its
-    budget; one from another address is never refused.
-
-    Passwords are compared as Go's ``bcrypt.CompareHashAndPassword`` does (exporter-toolkit): only
-    the first 72 bytes count, so a hash made by a tool that truncated a longer password matches.
-    """
-
-    def __init__(self, max_pending_per_peer: int = 8, cache_size: int = 1024, failure_burst: int = 10,
-                 failure_interval: float = 1.0, max_peers: int = 4096,
-                 monotonic: Callable[[], float] = time.monotonic) -> None:
-        self.max_pending_per_peer = max_pending_per_peer
-        self.cache_size = cache_size
-        self.failure_burst, self.failure_interval, self.max_peers = failure_burst, failure_interval, max_peers
-        self._monotonic = monotonic
-        self._cache: OrderedDict[bytes, bool] = OrderedDict()
-        self._key = secrets.token_bytes(32)  # the cache holds keyed digests, never passwords
-        self._lanes: OrderedDict[str, deque[tuple[bytes, bytes, asyncio.Future]]] = OrderedDict()
-        self._failures: OrderedDict[str, tuple[float, float]] = OrderedDict()  # peer -> (tokens, at)
-        self._pending = 0  # checks queued or running
-        self._running = False
-        self._executor: ThreadPoolExecutor | None = None
-        self._lock = threading.Lock()
-        self.bcrypt_runs = 0
-
-    def _cache_key(self, user: bytes, hashed: bytes, password: bytes) -> bytes:
-        parts = b"\x00".join(base64.b64encode(p) for p in (user, hashed, password))
-        return hmac.new(self._key, parts, hashlib.sha256).digest()
-
-    def cached(self, users: Mapping[bytes, bytes], user: bytes, password: bytes) -> bool | None:
-        """The cached verdict, or None if bcrypt has to run."""
-        known = user in users
-        key = self._cache_key(user, users.get(user, FAKE_HASH), password)
-        with self._lock:
-            verdict = self._cache.get(key)
-            if verdict is not None:
-                self._cache.move_to_end(key)
-        return None if verdict is None else (verdict and known)
-
-    def _failure_tokens(self, peer: str) -> float:
-        tokens, at = self._failures.get(peer, (float(self.failure_burst), 0.0))
-        return min(float(self.failure_burst), tokens + (self._monotonic() - at) / self.failure_interval)
-
-    def _failed(self, peer: str) -> None:
-        self._failures[peer] = (self._failure_tokens(peer) - 1.0, self._monotonic())
-        self._failures.move_to_end(peer)
-        while len(self._failures) > self.max_peers:
-            self._failures.popitem(last=False)
-
-    async def check(self, users: Mapping[bytes, bytes], user: bytes, password: bytes, peer: str = "") -> bool | None:
-        """Verify a login from address ``peer``; None means refused for now (too many pending or
-        failed checks from that address)."""
-        verdict = self.cached(users, user, password)
-        if verdict is not None:
-            if not verdict:
-                self._failed(peer)
-            return verdict
-        lane = self._lanes.get(peer)
-        if (lane is not None and len(lane) >= self.max_pending_per_peer) or self._failure_tokens(peer) < 1.0:
-            return None
-        known = user in users
-        hashed = users.get(user, FAKE_HASH)
-        future = asyncio.get_running_loop().create_future()
-        if lane is None:
-            lane = self._lanes[peer] = deque()
-        lane.append((hashed, password, future))
-        self._pending += 1
-        self._next()
-        ok = await future
-        key = self._cache_key(user, hashed, password)
-        with self._lock:
-            self._cache[key] = ok
-            if len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
-        if not (ok and known):
-            self._failed(peer)
-        return ok and known
-
-    def _next(self) -> None:
-        """Start the next check: the first waiting address's oldest, then that address goes last."""
-        while not self._running and self._lanes:
-            peer, lane = next(iter(self._lanes.items()))
-            hashed, password, future = lane.popleft()
-            if lane:
-                self._lanes.move_to_end(peer)
-            else:
-                del self._lanes[peer]
-            if future.done():  # its connection went away while it waited
-                self._pending -= 1
-                continue
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bcrypt")
-            self._running = True
-            job = asyncio.get_running_loop().run_in_executor(self._executor, self._bcrypt, hashed, password)
-            job.add_done_callback(lambda job, future=future: self._done(job, future))
-
-    def _done(self, job: asyncio.Future, future: asyncio.Future) -> None:
-        self._running = False
-        self._pending -= 1
-        if not future.done():
-            if job.cancelled() or job.exception() is not None:
-                future.set_result(False)
-            else:
-                future.set_result(job.result())
-        self._next()
-
-    def _bcrypt(self, hashed: bytes, password: bytes) -> bool:
-        import bcrypt
-
-        self.bcrypt_runs += 1
-        try:
-            # Go's CompareHashAndPassword keys Blowfish with the first 72 bytes only; bcrypt 5 raises
-            # on longer passwords instead of truncating.
-            return bcrypt.checkpw(password[:72], hashed)
-        except ValueError:  # a malformed salt
-            return False
-
-    def close(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=True, cancel_futures=True)
-            self._executor = None
-
-
-class RateLimiter:
-    """A token bucket like Go's ``rate.NewLimiter(rate.Every(interval), burst)``."""
-
-    def __init__(self, interval: float, burst: int, monotonic: Callable[[], float] = time.monotonic) -> None:
-        self.interval, self.burst, self._monotonic = interval, burst, monotonic
-        self._tokens = float(burst)
-        self._last = monotonic()
-
-    def allow(self) -> bool:
-        now = self._monotonic()
-        self._tokens = min(float(self.burst), self._tokens + (now - self._last) / self.interval)
-        self._last = now
-        if self._tokens >= 1.0:
-            self._tokens -= 1.0
-            return True
-        return False
+def _type_reason(loc: list[str], kind: str) -> str:
+    if loc[:1] == ["basic_auth_users"] and len(loc) == 2 and kind == "string_type":
+        return "expected a bcrypt hash string"
+    if loc == ["rate_limit", "interval"]:
+        return "expected a duration such as 1s"
+    return _EXPECTED.get(kind, "not valid here")
 
 
 # -- live source ---------------------------------------------------------------------------------------

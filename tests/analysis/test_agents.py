@@ -9,7 +9,7 @@ import pytest
 from exporter.analysis.agents import agent_headroom, agent_views
 from exporter.analysis.capacity import GpuInventory
 from exporter.analysis.node import HeadroomParams, Inventory, node_state
-from exporter.app import agent_layout as resolve_agent_layout
+from exporter.config import agent_layout as resolve_agent_layout
 from exporter.scratch.allocation import AllocationBook
 from exporter.scratch.identity import Identity
 from exporter.scratch.resources import parse_resource

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 from exporter.analysis.capacity import GpuInventory
-from exporter.analysis.node import HeadroomParams, Inventory, NodeState, live_state, node_state
+from exporter.analysis.node import HeadroomParams, Inventory, NodeState, node_state
+from exporter.analysis.pipeline import analyse
 from exporter.analysis.simulate import format_table, load_state, parse_state, result_document, simulate
 from exporter.scratch.allocation import AllocationBook
 from exporter.scratch.resources import parse_resource
-from exporter.telemetry.devices import DeviceResolver
 from exporter.telemetry.model import DeviceReading, TelemetrySnapshot
 
 
@@ -119,8 +119,7 @@ def test_live_state_from_a_snapshot() -> None:
     view = book.view()
     readings = tuple(DeviceReading(uuid=f"GPU-{i}", index=i) for i in range(4))
     snapshot = TelemetrySnapshot(source="nvml", devices=readings, success=True)
-    resolver = DeviceResolver(snapshot, view.device_ids())
-    state = live_state(view, snapshot, resolver, HeadroomParams())
+    state = analyse(view, snapshot, HeadroomParams()).state
     assert [d.device_id for d in state.slots["cuda.device"]] == ["0", "1", "2", "3"]
     doc = result_document(simulate(state, "cuda.device=2", "evenly"))
     assert doc["placement"] == {"1": "1", "2": "1"}

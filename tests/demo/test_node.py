@@ -11,6 +11,7 @@ import pytest
 from exporter.analysis.attribution import ProcFS, Unattributed, container_id_from_cgroup, mount_roots, parse_start_time
 from exporter.analysis.liveness import scan_cgroups
 from exporter.app import Exporter
+from exporter.config import resolve
 from exporter.demo.node import LivingNode
 from exporter.scratch.allocation import KernelState
 from exporter.settings import Settings
@@ -87,14 +88,15 @@ def test_the_exporter_sees_the_planted_events(tmp_path: Path) -> None:
     settings = Settings(scratch_roots=[node.scratch], path_procfs=node.host.proc, path_cgroupfs=node.host.cgroup,
                         telemetry_interval=0.05, stale_grace=30)
     with node.running():
-        exporter = Exporter(settings, telemetry=NvmlSource(event_wait_ms=50))
+        exporter = Exporter(resolve(settings), telemetry=NvmlSource(event_wait_ms=50))
         exporter.start()
         try:
             def sample() -> tuple:
                 seen = exporter.sampler.version
                 exporter.sampler.wait_for_version(seen, 5)
-                exporter._analyse()
-                return exporter.snapshot(), exporter.analysis.attribution
+                exporter.pipeline.step()
+                model = exporter.analysis
+                return model.snapshot, model.attribution
 
             snap, attribution = sample()
             assert any(u.reason is Unattributed.HOST for u in attribution.unattributed)

@@ -20,8 +20,10 @@ from helpers import CID, GOLDEN, K1, K2, K3, K4, K5, K6, PLACEMENT, PROC
 from prometheus_client import CollectorRegistry, generate_latest
 
 from exporter.app import Exporter
+from exporter.config import resolve
 from exporter.demo import recovery_json, write_kernel, write_recovery
 from exporter.metrics.registry import ExporterCollector, Part
+from exporter.metrics.server import ServerStats
 from exporter.metrics.telemetry import telemetry_families, telemetry_health
 from exporter.settings import Settings
 from exporter.telemetry.devices import DeviceResolver
@@ -92,13 +94,15 @@ def render_node(tmp: Path) -> str:
     fake = FakeNvml.dgx_a100(clock=clock)
     settings = build_node(tmp, fake)
     with fake.installed():
-        exporter = Exporter(settings, clock=clock, monotonic=clock, telemetry=NvmlSource(clock=clock, event_wait_ms=20, pcie=True))
+        # The HTTP server's counters as a fresh server has them: every refusal reason at 0.
+        exporter = Exporter(resolve(settings), clock=clock, monotonic=clock, telemetry=NvmlSource(clock=clock, event_wait_ms=20, pcie=True),
+                            server_stats=ServerStats)
         exporter.start()
         try:
             # The first sample is published before the first analysis reads it at start().
             assert exporter.sampler.latest().success, exporter.sampler.latest().error
             clock.now = NOW + 600  # ten minutes on, kernels without a live container are stale
-            exporter._analyse()
+            exporter.pipeline.step()
             return normalise(exporter.render().decode(), tmp)
         finally:
             exporter.close()

@@ -1,4 +1,4 @@
-"""Headroom families from an allocation view and a telemetry snapshot."""
+"""Headroom families from a read model built of an allocation view and a telemetry snapshot."""
 
 from __future__ import annotations
 
@@ -9,9 +9,19 @@ from decimal import Decimal
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
+from exporter.analysis.agents import AgentLayout
 from exporter.analysis.capacity import CapacityConfig, GpuInventory
-from exporter.analysis.liveness import KernelLiveness, Liveness
-from exporter.analysis.node import HeadroomParams, Inventory, MigInstanceDevice, NodeState, inventory_from_snapshot, node_state
+from exporter.analysis.liveness import CgroupScan, KernelLiveness, Liveness
+from exporter.analysis.model import Analysis
+from exporter.analysis.node import (
+    HeadroomParams,
+    Inventory,
+    MigInstanceDevice,
+    NodeState,
+    headroom_figures,
+    inventory_from_snapshot,
+    node_state,
+)
 from exporter.analysis.placement import NoFragRule, Request
 from exporter.metrics.headroom import headroom_families
 from exporter.scratch.allocation import AllocationBook
@@ -100,6 +110,20 @@ def registry(families) -> CollectorRegistry:
     return reg
 
 
+def families(view, snapshot, devices, params, liveness=None, cgroup_visible=None):
+    """The headroom families of a read model built by hand: ``devices`` is the resolver (the
+    inventory is what ``snapshot`` shows) or a ready inventory."""
+    if isinstance(devices, Inventory):
+        resolver, inventory = by_uuid(snapshot), devices
+    else:
+        resolver, inventory = devices, inventory_from_snapshot(snapshot, devices)
+    state = node_state(view, inventory, params, liveness)
+    cgroups = CgroupScan(cgroup_visible, frozenset(), "v2") if cgroup_visible is not None else None
+    model = Analysis(view, snapshot or TelemetrySnapshot(source="none"), resolver, inventory, state,
+                     headroom_figures(state, inventory, params), AgentLayout(roots=()), liveness=liveness or {}, cgroups=cgroups)
+    return headroom_families(model)
+
+
 def sample(reg: CollectorRegistry, name: str, **labels: str) -> float | None:
     return reg.get_sample_value(name, labels)
 
@@ -107,7 +131,7 @@ def sample(reg: CollectorRegistry, name: str, **labels: str) -> float | None:
 def test_headroom_families_of_a_fractional_node() -> None:
     view = view_of(k1=resource("GPU-a:0.60,GPU-b:0.60"), k2=resource("MIG-1:1", "cuda.device:1g.5gb-mig"))
     params = HeadroomParams(hami=HAMI)
-    reg = registry(headroom_families(view, SNAPSHOT, by_uuid(SNAPSHOT), params))
+    reg = registry(families(view, SNAPSHOT, by_uuid(SNAPSHOT), params))
 
     assert sample(reg, "gpu_alloc_device_capacity", device_id="GPU-a", slot="cuda.shares") == 13.5
     assert sample(reg, "gpu_alloc_device_free", device_id="GPU-a", slot="cuda.shares") == pytest.approx(12.9)
@@ -132,19 +156,20 @@ def test_headroom_families_of_a_fractional_node() -> None:
     assert sample(reg, "gpu_alloc_mig_creatable_instances", device_id="GPU-m", profile="1g.5gb") == 3
     assert sample(reg, "gpu_alloc_mig_geometry_reachable", device_id="GPU-m", geometry="3g.20gb:2") == 0
     assert sample(reg, "gpu_alloc_mig_geometry_reachable", device_id="GPU-m", geometry="1g.5gb:7") == 0  # a 2g exists
-    # staleness not checked: no such families
-    assert sample(reg, "gpu_alloc_kernels_liveness", status="stale") is None
+    # staleness not judged: no kernel is stale, and the cgroup tree's visibility is not claimed
+    assert sample(reg, "gpu_alloc_kernels_liveness", status="stale") == 0
+    assert sample(reg, "gpu_alloc_cgroup_visible") is None
 
 
 def test_empty_node_defaults_to_whole_devices_until_shares_appear() -> None:
-    reg = registry(headroom_families(view_of(), SNAPSHOT, by_uuid(SNAPSHOT), HeadroomParams()))
+    reg = registry(families(view_of(), SNAPSHOT, by_uuid(SNAPSHOT), HeadroomParams()))
     assert sample(reg, "gpu_alloc_device_capacity", device_id="GPU-a", slot="cuda.device") == 1
     assert sample(reg, "gpu_alloc_node_headroom", slot="cuda.device", fragmentation="allowed") == 2
     assert sample(reg, "gpu_alloc_request_fits", slot="cuda.device", request="2", fragmentation="allowed") == 1
     # MIG requests are exactly one instance: two free instances, headroom 1
     assert sample(reg, "gpu_alloc_node_whole_free_devices", slot="cuda.device:1g.5gb-mig") == 2
     assert sample(reg, "gpu_alloc_node_headroom", slot="cuda.device:1g.5gb-mig", fragmentation="allowed") == 1
-    fractional = registry(headroom_families(view_of(), SNAPSHOT, by_uuid(SNAPSHOT), HeadroomParams(mode="fractional")))
+    fractional = registry(families(view_of(), SNAPSHOT, by_uuid(SNAPSHOT), HeadroomParams(mode="fractional")))
     assert sample(fractional, "gpu_alloc_node_headroom", slot="cuda.shares", fragmentation="allowed") == 27
     assert sample(fractional, "gpu_alloc_node_whole_free_devices", slot="cuda.shares") == 2
 
@@ -156,7 +181,7 @@ def test_stale_kernels_are_counted_apart() -> None:
         "k2": KernelLiveness(Liveness.STALE, "container-gone"),
     }
     reg = registry(
-        headroom_families(view, SNAPSHOT, by_uuid(SNAPSHOT), HeadroomParams(), liveness, cgroup_visible=True)
+        families(view, SNAPSHOT, by_uuid(SNAPSHOT), HeadroomParams(), liveness, cgroup_visible=True)
     )
     assert sample(reg, "gpu_alloc_device_free", device_id="GPU-a", slot="cuda.shares") == pytest.approx(12.9)
     assert sample(reg, "gpu_alloc_device_stale_allocated", device_id="GPU-a", slot="cuda.shares") == 2
@@ -165,24 +190,24 @@ def test_stale_kernels_are_counted_apart() -> None:
     assert sample(reg, "gpu_alloc_kernels_liveness", status="unknown") == 0
     assert sample(reg, "gpu_alloc_cgroup_visible") == 1
     counted = registry(
-        headroom_families(view, SNAPSHOT, by_uuid(SNAPSHOT), HeadroomParams(exclude_stale=False), liveness)
+        families(view, SNAPSHOT, by_uuid(SNAPSHOT), HeadroomParams(exclude_stale=False), liveness)
     )
     assert sample(counted, "gpu_alloc_device_free", device_id="GPU-a", slot="cuda.shares") == pytest.approx(10.9)
 
 
 def test_overcommit_is_flagged_and_free_never_negative() -> None:
     view = view_of(k1=resource("GPU-a:10"), k2=resource("GPU-a:10"))
-    reg = registry(headroom_families(view, SNAPSHOT, by_uuid(SNAPSHOT), HeadroomParams()))
+    reg = registry(families(view, SNAPSHOT, by_uuid(SNAPSHOT), HeadroomParams()))
     assert sample(reg, "gpu_alloc_device_overcommitted", device_id="GPU-a", slot="cuda.shares") == 1
     assert sample(reg, "gpu_alloc_device_free", device_id="GPU-a", slot="cuda.shares") == 0
 
 
 def test_unknown_capacity_is_left_out_not_guessed() -> None:
     view = view_of(k1=resource("GPU-z:0.5"))
-    reg = registry(headroom_families(view, None, by_uuid(None), HeadroomParams()))
+    reg = registry(families(view, None, by_uuid(None), HeadroomParams()))
     assert sample(reg, "gpu_alloc_device_capacity", device_id="GPU-z", slot="cuda.shares") is None
     override = HeadroomParams(capacity=CapacityConfig(overrides={"GPU-z": Decimal(2)}))
-    reg = registry(headroom_families(view, None, by_uuid(None), override))
+    reg = registry(families(view, None, by_uuid(None), override))
     assert sample(reg, "gpu_alloc_device_free", device_id="GPU-z", slot="cuda.shares") == 1.5
 
 
@@ -192,7 +217,7 @@ def test_nvml_mig_capacity_is_preferred_and_unreadable_layouts_skipped() -> None
     snapshot = TelemetrySnapshot(source="nvml", devices=(reading,))
     inventory = inventory_from_snapshot(snapshot, by_uuid(snapshot))
     assert inventory.mig_layouts[0].remaining == {"3g.20gb": 1}
-    reg = registry(headroom_families(view_of(), None, inventory, HeadroomParams()))
+    reg = registry(families(view_of(), None, inventory, HeadroomParams()))
     assert sample(reg, "gpu_alloc_mig_creatable_instances", device_id="GPU-m", profile="3g.20gb") == 1
     hidden = gpu("GPU-m", 0, mig_mode_current=True, mig_layout_readable=False)
     snapshot = TelemetrySnapshot(source="nvml", devices=(hidden,))
@@ -202,7 +227,7 @@ def test_nvml_mig_capacity_is_preferred_and_unreadable_layouts_skipped() -> None
 def test_device_ids_follow_the_resolvers_scheme() -> None:
     view = view_of(k1=resource("0:1", "cuda.device"))
     resolver = DeviceResolver(SNAPSHOT, view.device_ids())
-    reg = registry(headroom_families(view, SNAPSHOT, resolver, HeadroomParams()))
+    reg = registry(families(view, SNAPSHOT, resolver, HeadroomParams()))
     assert sample(reg, "gpu_alloc_device_free", device_id="0", slot="cuda.device") == 0
     assert sample(reg, "gpu_alloc_device_free", device_id="1", slot="cuda.device") == 1
     assert sample(reg, "gpu_alloc_mig_creatable_instances", device_id="2", profile="3g.20gb") == 0
@@ -236,7 +261,7 @@ def test_exposition_passes_promtool() -> None:
         "k2": KernelLiveness(Liveness.STALE, "container-gone"),
     }
     text = generate_latest(
-        registry(headroom_families(view, SNAPSHOT, by_uuid(SNAPSHOT), HeadroomParams(hami=HAMI), liveness, True))
+        registry(families(view, SNAPSHOT, by_uuid(SNAPSHOT), HeadroomParams(hami=HAMI), liveness, True))
     )
     result = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, check=False)
     assert result.returncode == 0, result.stdout.decode() + result.stderr.decode()

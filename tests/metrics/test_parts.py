@@ -4,6 +4,7 @@ every render has one status sample per part under names fixed at start; a part t
 
 from __future__ import annotations
 
+import importlib
 from collections import Counter
 from decimal import Decimal
 from pathlib import Path
@@ -11,22 +12,22 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-import exporter.metrics.parts as parts_module
 from exporter.app import Exporter
+from exporter.config import resolve
 from exporter.demo import write_kernel
 from exporter.settings import Settings
 from exporter.telemetry.mock import DEMO_DEVICES_FILE
 
 PARTS = ["build", "scratch", "watcher", "mock", "headroom", "attribution", "accounting"]
-# (part, the function of exporter.metrics.parts that builds its families, a family only it emits)
+# (part, "module:function" of exporter.metrics that builds its families, a family only it emits)
 CASES = [
-    ("build", "build_info", "gpu_alloc_build_info"),
-    ("scratch", "allocation_families", "gpu_alloc_device_allocated"),
-    ("watcher", "watcher_families", "gpu_alloc_watcher_up"),
-    ("mock", "telemetry_families", "gpu_alloc_device_up"),
-    ("headroom", "headroom_families", "gpu_alloc_device_capacity"),
-    ("attribution", "attribution_families", None),
-    ("accounting", "accounting_families", "gpu_alloc_kernel_gpu_share_ratio"),
+    ("build", "exporter:build_info", "gpu_alloc_build_info"),
+    ("scratch", "allocation:allocation_families", "gpu_alloc_device_allocated"),
+    ("watcher", "exporter:watcher_families", "gpu_alloc_watcher_up"),
+    ("mock", "telemetry:telemetry_families", "gpu_alloc_device_up"),
+    ("headroom", "headroom:headroom_families", "gpu_alloc_device_capacity"),
+    ("attribution", "attribution:attribution_families", None),
+    ("accounting", "accounting:accounting_families", "gpu_alloc_kernel_gpu_share_ratio"),
 ]
 
 
@@ -49,7 +50,7 @@ def settings(tmp_path: Path) -> Settings:
 
 
 def test_every_part_reports_once_under_a_fixed_name(settings: Settings) -> None:
-    exporter = Exporter(settings)
+    exporter = Exporter(resolve(settings))
     exporter.start()
     try:
         rows = samples(exporter.render())
@@ -65,13 +66,15 @@ def test_a_failing_part_is_dropped_then_recovers(settings: Settings, monkeypatch
     def broken(*_, **__):
         raise RuntimeError("injected")
 
-    real = getattr(parts_module, function)
-    monkeypatch.setattr(parts_module, function, broken)
-    exporter = Exporter(settings)
+    module_name, _, function = function.partition(":")
+    module = importlib.import_module(f"exporter.metrics.{module_name}")
+    real = getattr(module, function)
+    monkeypatch.setattr(module, function, broken)
+    exporter = Exporter(resolve(settings))
     exporter.start()
     try:
         failing = [samples(exporter.render()) for _ in range(2)]
-        monkeypatch.setattr(parts_module, function, real)
+        monkeypatch.setattr(module, function, real)
         recovered = samples(exporter.render())
     finally:
         exporter.close()
@@ -86,3 +89,27 @@ def test_a_failing_part_is_dropped_then_recovers(settings: Settings, monkeypatch
         assert family in {name for name, _, _ in recovered}
     # One traceback for the failure streak, not one per scrape.
     assert sum(f"collector {part} failed" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_collector_switched_off_serves_nothing_and_the_rest_is_unchanged(settings: Settings) -> None:
+    exporter = Exporter(resolve(settings, collectors={"headroom": False, "attribution": False}))
+    exporter.start()
+    try:
+        rows = samples(exporter.render())
+    finally:
+        exporter.close()
+    assert status(rows) == dict.fromkeys([p for p in PARTS if p not in ("headroom", "attribution")], 1.0)
+    names = {name for name, _, _ in rows}
+    assert "gpu_alloc_node_headroom" not in names and "gpu_alloc_device_capacity" not in names
+    assert "gpu_alloc_device_allocated" in names and "gpu_alloc_kernel_gpu_share_ratio" in names
+
+
+def test_collectors_are_registered_once_in_exposition_order() -> None:
+    from exporter.metrics.collectors import build_parts, collectors, register
+
+    names = list(collectors())
+    assert names[:3] == ["build", "scratch", "watcher"] and len(set(names)) == len(names)
+    with pytest.raises(ValueError, match="registered twice"):
+        register("headroom", "again", order=99)(lambda inputs: [])
+    with pytest.raises(ValueError, match="unknown collector"):
+        build_parts(None, {"nope": True})  # type: ignore[arg-type]

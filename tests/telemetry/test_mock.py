@@ -1,16 +1,22 @@
-"""Mock devices from Backend.AI's mock-accelerator TOML, with and without our extensions."""
+"""Mock devices: Backend.AI's mock-accelerator TOML configures the simulated NVML library, and the
+NVML binding reads it (exporter/telemetry/mock.py, exporter/telemetry/nvml/mockfile.py)."""
 
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import fields
 from pathlib import Path
 
+import pynvml
 import pytest
 from helpers import FIXTURES
 
 from exporter.telemetry.mock import DEMO_DEVICES_FILE, MockConfigError, MockSource
 from exporter.telemetry.model import MigPlacement, SourceConfigError
+from exporter.telemetry.nvml import NvmlSource, cuda
+from exporter.telemetry.nvml.mockfile import parse_mock_file
+from exporter.telemetry.nvml.simulated import FakeNvml
 
 UPSTREAM = FIXTURES / "mock-accelerator.toml"
 GIB = 1024**3
@@ -34,38 +40,63 @@ def readings(source: MockSource) -> list:
     return [source.read_device(key) for key in source.prepare().device_keys]
 
 
+def read_once(path: Path, clock=lambda: 1000.0) -> list:
+    source = MockSource(path, clock=clock)
+    try:
+        return readings(source)
+    finally:
+        source.close()
+
+
 def test_backend_ai_upstream_file_loads_unchanged() -> None:
     source = MockSource(UPSTREAM, clock=lambda: 1000.0)
     info = source.prepare()
     assert (info.driver_version, info.cuda_version, info.device_count) == ("450.0.0", "11.0", 4)
     devices = readings(source)
+    source.close()
     assert [d.uuid for d in devices] == [f"GPU-{DEMO_MOTHER}{i}" for i in range(1, 5)]
     assert [d.index for d in devices] == [0, 1, 2, 3]
     assert [d.numa_node for d in devices] == [0, 1, 0, 1]
     assert [d.pci_bus_id for d in devices] == [f"0000:99:{i:02d}.0" for i in range(4)]  # the plugin's hw_location
     for d in devices:
+        # SMs of a whole GPU come from the simulated CUDA driver, as on a real node.
         assert (d.name, d.memory_total_bytes, d.multiprocessor_count) == ("CUDA GPU", 40 * GIB, 108)
         assert 0 <= d.utilization_gpu_ratio <= 1 and 0 < d.memory_used_bytes < d.memory_total_bytes
         assert d.power_limit_watts == 250 and 0 < d.power_usage_watts <= 250
         assert d.mig_mode_current is None and d.mig_devices == () and d.processes is None
+        # What the file does not describe is what a GPU without the feature reports.
+        assert d.ecc_corrected_errors is None and d.remapped_rows_pending is None and d.fan_speed_ratio is None
+        assert dict(d.throttle_reasons) == {} and d.pcie_rx_bytes_per_second is None
         for f in fields(d):
             value = getattr(d, f.name)
             assert not (isinstance(value, float) and math.isnan(value))
+
+
+def test_values_are_what_nvml_reports_in_its_units() -> None:
+    (d, *_) = read_once(UPSTREAM)
+    # NVML counts utilisation in whole %, temperature in whole °C, power in mW, clocks in MHz.
+    assert round(d.utilization_gpu_ratio * 100, 9) == round(d.utilization_gpu_ratio * 100)
+    assert d.temperature_celsius == int(d.temperature_celsius)
+    assert round(d.power_usage_watts * 1000, 6) == round(d.power_usage_watts * 1000)
+    assert d.sm_clock_hz % 1e6 == 0 and d.memory_clock_hz == 1593e6
 
 
 def test_values_follow_the_injected_clock_deterministically() -> None:
     now = [1000.0]
     a, b = MockSource(UPSTREAM, clock=lambda: now[0]), MockSource(UPSTREAM, clock=lambda: now[0])
     first = readings(a)
-    assert readings(b) == first  # same seed, same clock: same values
-    assert readings(a)[0].utilization_gpu_ratio == first[0].utilization_gpu_ratio  # frozen clock
-    assert len({d.utilization_gpu_ratio for d in first}) == 4  # devices differ in phase
+    assert readings(b) == first  # same seed, same clock: same values, each source its own machine
+    assert readings(a) == first  # a frozen clock gives frozen values
+    assert len({d.temperature_celsius for d in first}) == 4  # devices differ in phase
     now[0] = 1060.0
     later = readings(a)
     assert later[0].utilization_gpu_ratio != first[0].utilization_gpu_ratio
-    # Energy integrates power over the clock (starting at 0 on the first reading).
-    assert later[0].energy_joules == pytest.approx(60 * later[0].power_usage_watts)
+    # The energy counter starts at 0 and integrates the power drawn since the last reading.
+    assert first[0].energy_joules == 0
+    assert later[0].energy_joules == pytest.approx(60 * first[0].power_usage_watts)
     assert readings(a)[0].energy_joules == later[0].energy_joules  # a frozen clock adds nothing
+    a.close()
+    b.close()
 
 
 def test_the_demo_node_has_four_fractional_gpus_and_a_mig_gpu() -> None:
@@ -73,18 +104,23 @@ def test_the_demo_node_has_four_fractional_gpus_and_a_mig_gpu() -> None:
     info = source.prepare()
     assert (info.driver_version, info.cuda_version) == ("550.54.15", "12.4")
     devices = readings(source)
+    source.close()
     assert [d.uuid for d in devices] == [f"GPU-{DEMO_MOTHER}{i}" for i in range(1, 6)]
     for d in devices:
-        assert (d.name, d.memory_total_bytes, d.multiprocessor_count) == ("NVIDIA A100-SXM4-80GB", 80 * GIB, 108)
+        assert (d.name, d.memory_total_bytes) == ("NVIDIA A100-SXM4-80GB", 80 * GIB)
     assert all(d.mig_mode_current is False and d.utilization_gpu_ratio is not None for d in devices[:4])
+    assert [d.multiprocessor_count for d in devices] == [108] * 4 + [None]  # CUDA lists no MIG-enabled GPU
     mig = devices[4]
     assert mig.mig_mode_current is True and mig.utilization_gpu_ratio is None and mig.mig_layout_readable is True
-    assert [(m.uuid, m.profile, m.placement, m.gpu_instance_id) for m in mig.mig_devices] == [
-        (f"MIG-{DEMO_MOTHER}5/4/0", "3g.40gb", MigPlacement(4, 4), 1),
-        (f"MIG-{DEMO_MOTHER}5/5/0", "2g.20gb", MigPlacement(0, 2), 2),
-        (f"MIG-{DEMO_MOTHER}5/6/0", "1g.10gb", MigPlacement(2, 1), 3),
+    assert mig.temperature_celsius is not None and mig.power_usage_watts is not None
+    assert [(m.uuid, m.profile, m.placement, m.gpu_instance_id, m.compute_instance_id) for m in mig.mig_devices] == [
+        (f"MIG-{DEMO_MOTHER}5/4/0", "3g.40gb", MigPlacement(4, 4), 1, 0),
+        (f"MIG-{DEMO_MOTHER}5/5/0", "2g.20gb", MigPlacement(0, 2), 2, 0),
+        (f"MIG-{DEMO_MOTHER}5/6/0", "1g.10gb", MigPlacement(2, 1), 3, 0),
     ]
-    assert mig.memory_used_bytes == sum(m.memory_used_bytes for m in mig.mig_devices)
+    assert [(m.memory_total_bytes, m.multiprocessor_count) for m in mig.mig_devices] == [
+        (int(39.25 * GIB), 42), (int(19.5 * GIB), 28), (int(9.5 * GIB), 14)]
+    assert mig.memory_used_bytes == sum(m.memory_used_bytes for m in mig.mig_devices)  # NVML's aggregate
     assert [(gi.gpu_instance_id, gi.profile_id) for gi in mig.gpu_instances] == [(1, 9), (2, 14), (3, 19)]
     remaining = {p.name: p.remaining for p in mig.mig_profile_capacity}
     assert remaining == {"1g.10gb": 1, "1g.10gb+me": 1, "1g.20gb": 0, "2g.20gb": 0, "3g.40gb": 0, "4g.40gb": 0, "7g.80gb": 0}
@@ -93,19 +129,20 @@ def test_the_demo_node_has_four_fractional_gpus_and_a_mig_gpu() -> None:
 def test_legacy_mig_file_groups_mig_devices_under_a_synthesised_gpu(tmp_path: Path) -> None:
     path = tmp_path / "cuda-mock-mig.toml"
     path.write_text(LEGACY_MIG)
-    devices = readings(MockSource(path))
+    devices = read_once(path)
     assert [d.uuid for d in devices] == [f"GPU-{DEMO_MOTHER}1", f"GPU-{DEMO_MOTHER}3"]
     parent = devices[1]
-    assert parent.memory_total_bytes == 40 * GIB and parent.multiprocessor_count == 112
-    assert [(m.uuid, m.profile) for m in parent.mig_devices] == [
-        (f"MIG-{DEMO_MOTHER}3/1/0", "20g"),
-        (f"MIG-{DEMO_MOTHER}3/2/0", "10g"),
-        (f"MIG-{DEMO_MOTHER}3/3/0", "10g"),
+    assert (parent.name, parent.memory_total_bytes, parent.mig_mode_current) == ("CUDA GPU", 40 * GIB, True)
+    assert parent.utilization_gpu_ratio is None
+    assert [(m.uuid, m.profile, m.memory_total_bytes, m.multiprocessor_count) for m in parent.mig_devices] == [
+        (f"MIG-{DEMO_MOTHER}3/1/0", "20g", 20 * GIB, 56),
+        (f"MIG-{DEMO_MOTHER}3/2/0", "10g", 10 * GIB, 28),
+        (f"MIG-{DEMO_MOTHER}3/3/0", "10g", 10 * GIB, 28),
     ]
-    # No placements in the file: the layout is unknown, not guessed.
-    assert parent.mig_layout_readable is None
+    # No placements in the file: the layout cannot be read (never guessed); GPU instances in order.
+    assert parent.mig_layout_readable is False
     assert parent.gpu_instances == () and parent.mig_profile_capacity is None
-    assert all(m.placement is None and m.gpu_instance_id is None for m in parent.mig_devices)
+    assert [(m.placement, m.gpu_instance_id) for m in parent.mig_devices] == [(None, 1), (None, 2), (None, 3)]
 
 
 def test_other_slots_need_no_mig_flag(tmp_path: Path) -> None:
@@ -114,8 +151,67 @@ def test_other_slots_need_no_mig_flag(tmp_path: Path) -> None:
         'slot_name = "rocm"\ndevice_plugin_name = "MockDevice"\n'
         'devices = [{ mother_uuid = "d1", model_name = "MI250", numa_node = 0, subproc_count = 104, memory_size = "64g" }]\n'
     )
-    (device,) = readings(MockSource(path))
+    source = MockSource(path)
+    info = source.prepare()
+    (device,) = readings(source)
+    source.close()
     assert device.uuid == "GPU-d1" and device.memory_total_bytes == 64 * GIB
+    assert device.multiprocessor_count == 104  # matched to CUDA's device by bus id: "d1" is no UUID
+    assert (info.driver_version, info.cuda_version) == (None, None)
+
+
+def test_processes_and_their_sm_samples_come_through_nvml(tmp_path: Path) -> None:
+    path = tmp_path / "devices.toml"
+    path.write_text(device(processes='[{ pid = 1001, used_memory = "4G", sm_util = 0.6 }, { pid = 1002 }]',
+                           fan_speed_ratio="0.42"))
+    now = [1000.0]
+    source = MockSource(path, clock=lambda: now[0])
+    (d,) = readings(source)
+    assert [(p.pid, p.used_memory_bytes) for p in d.processes] == [(1001, 4 * GIB), (1002, None)]
+    assert dict(d.process_utilization) == {1001: 0.6}
+    assert d.fan_speed_ratio == 0.42
+    (d,) = readings(source)
+    assert dict(d.process_utilization) == {}  # no new sample at a frozen clock, as NVML answers
+    now[0] += 1
+    (d,) = readings(source)
+    assert dict(d.process_utilization) == {1001: 0.6}
+    source.close()
+
+
+def test_one_library_answers_and_the_binding_reads() -> None:
+    """The mock source is the NVML source over the machine the file describes, nothing more."""
+    clock = lambda: 1000.0  # noqa: E731
+    mock = read_once(DEMO_DEVICES_FILE, clock)
+    machine = FakeNvml.from_mock_file(parse_mock_file(DEMO_DEVICES_FILE.read_text(), "demo"), clock=clock)
+    with machine.installed():
+        nvml = NvmlSource(clock=clock, xid_events=False)
+        direct = [nvml.read_device(k) for k in nvml.prepare().device_keys]
+        nvml.close()
+    assert mock == direct
+
+
+def test_nothing_stays_installed_and_no_thread_is_left() -> None:
+    saved_lib, saved_cuda = pynvml.nvmlLib, cuda._load_libcuda
+    before = set(threading.enumerate())
+    source = MockSource(DEMO_DEVICES_FILE)
+    assert len(readings(source)) == 5
+    assert pynvml.nvmlLib is saved_lib and cuda._load_libcuda is saved_cuda
+    assert set(threading.enumerate()) == before
+    source.close()
+
+
+def test_a_read_before_prepare_initialises_first() -> None:
+    source = MockSource(UPSTREAM, clock=lambda: 1000.0)
+    assert source.read_device(0).uuid == f"GPU-{DEMO_MOTHER}1"
+    source.close()
+
+
+def test_the_parser_takes_text_and_names_the_file_in_errors() -> None:
+    machine = parse_mock_file(UPSTREAM.read_text(), "upstream.toml")
+    assert [(g.uuid, g.listed, g.multiprocessors) for g in machine.gpus] == [(f"GPU-{DEMO_MOTHER}{i}", True, 108) for i in range(1, 5)]
+    assert (machine.driver_version, machine.cuda_version) == ("450.0.0", "11.0")
+    with pytest.raises(MockConfigError, match=r"^upstream\.toml: devices: missing required key"):
+        parse_mock_file('slot_name = "cuda"\n', "upstream.toml")
 
 
 def device(**extra: str) -> str:
@@ -159,6 +255,10 @@ def mig(start: int, profile: str = "3g.40gb") -> str:
         (mig(0) + device(mother_uuid='"m9"', model_name='"MIG-1g.10gb"', is_mig_device="true") + MIG_PARENT,
          "placement_start is needed"),
         (device() + '[mig_parents.m1]\nmodel_name = "x"\n', "mig_parents.m1: not the mother_uuid of MIG devices"),
+        (device(pci_bus_id='"slot 7"'), "devices[0].pci_bus_id: expected domain:bus:device.function"),
+        (device(serial='"' + "9" * 40 + '"'), "devices[0].serial: at most 29 printable characters"),
+        ('[attributes]\ncuda_runtime = "twelve"\n' + device(), "attributes.cuda_runtime: expected a version like 12.4"),
+        (mig(0) + MIG_PARENT + 'processes = [{ pid = 1 }]\n', "mig_parents.m9.processes: a MIG-enabled GPU's processes run in"),
     ],
 )
 def test_a_bad_file_is_an_error_naming_the_file_and_the_reason(tmp_path: Path, text: str, reason: str) -> None:

@@ -202,6 +202,7 @@ def test_mock_devices_are_sampled_on_the_injected_clock() -> None:
     assert [d.uuid for d in snap.devices] == [f"GPU-c59395cd-ac91-4cd3-a1b0-3d2568aa2d0{i}" for i in range(1, 5)]
     assert {d.last_update_timestamp for d in snap.devices} == {1000.0}
     assert (snap.driver_version, snap.cuda_version, snap.device_count) == ("450.0.0", "11.0", 4)
+    assert not [t for t in threading.enumerate() if t.name == "nvml-xid-events"]  # mock devices raise no XIDs
 
 
 def test_open_source_builds_each_kind(dgx: FakeNvml, tmp_path: Path) -> None:

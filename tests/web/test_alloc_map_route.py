@@ -11,6 +11,7 @@ from pathlib import Path
 from backendai_reference import scan_gpu_alloc_map, scan_gpu_alloc_map_ratio
 
 from exporter.app import Exporter
+from exporter.config import resolve
 from exporter.demo import write_kernel
 from exporter.settings import Settings
 from exporter.telemetry.nvml import NvmlSource
@@ -34,7 +35,7 @@ def test_both_forms_on_fgpu_whole_gpu_and_mig(tmp_path: Path) -> None:
     settings = Settings.load({"scratch_roots": [str(root)], "telemetry_source": "none", "headroom_mode": "fractional",
                               "telemetry_interval": 3600, "alloc_map_format": "ratio"})
     with fake.installed():
-        exporter = Exporter(settings, clock=lambda: NOW, monotonic=lambda: NOW, telemetry=NvmlSource(clock=lambda: NOW, event_wait_ms=20))
+        exporter = Exporter(resolve(settings), clock=lambda: NOW, monotonic=lambda: NOW, telemetry=NvmlSource(clock=lambda: NOW, event_wait_ms=20))
         exporter.start()
         try:
             def get(query: dict) -> tuple[int, object]:

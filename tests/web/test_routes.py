@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 from decimal import Decimal
 
-from exporter.analysis.node import NodeState
+from exporter.analysis.model import NodeState
 from exporter.analysis.placement import DeviceFree
+from exporter.metrics.documents import StateText, json_default, state_document
 from exporter.scratch.allocation import AllocationBook
 from exporter.scratch.resources import Allocation, ResourceSpec
-from exporter.web.routes import StateText, _default, state_document
 
 
 def spec(*allocs: tuple[str, str, str]) -> ResourceSpec:
@@ -17,7 +17,7 @@ def spec(*allocs: tuple[str, str, str]) -> ResourceSpec:
 
 
 def expected(view, roots, node) -> bytes:
-    return json.dumps(state_document(view, roots, node), indent=1, default=_default).encode() + b"\n"
+    return json.dumps(state_document(view, roots, node), indent=1, default=json_default).encode() + b"\n"
 
 
 def test_state_text_equals_the_document_and_is_reused_until_something_moves() -> None:

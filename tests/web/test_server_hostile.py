@@ -108,7 +108,7 @@ def test_metrics_is_answered_while_an_offloaded_route_runs() -> None:
         assert slow.running == 1 and not first.done() and not second.done()
         slow.release.set()
         assert first.result()[0] == second.result()[0] == 200
-    assert server.rejected_total[503] == 1
+    assert server.stats().rejected["max_offloaded"] == 1
 
 
 def test_a_render_runs_off_the_loop_and_cached_bytes_are_served_on_it() -> None:
@@ -140,14 +140,15 @@ def test_a_render_runs_off_the_loop_and_cached_bytes_are_served_on_it() -> None:
         render.release.set()
         assert first.result()[0] == second.result()[0] == 200
         assert [t.name for t in threading.enumerate() if t.name.startswith("http-render")] == ["http-render_0"]
-    assert 503 not in server.rejected_total
+    assert not any(server.stats().rejected.values())
 
 
 def test_the_exporter_marks_its_document_routes_for_offloading(tmp_path: Path) -> None:
     from exporter.app import Exporter
+    from exporter.config import resolve
     from exporter.settings import Settings
 
-    exporter = Exporter(Settings(scratch_roots=[tmp_path], telemetry_source="none"))
+    exporter = Exporter(resolve(Settings(scratch_roots=[tmp_path], telemetry_source="none")))
     routes = exporter.routes.routes
     assert {p for p, r in routes.items() if r.offload} == {"/api/v1/state", "/api/v1/alloc-map", "/api/v1/simulate"}
     assert not routes["/metrics"].offload and routes["/metrics"].cached is not None
@@ -176,9 +177,10 @@ def test_simulate_amounts_are_bounded_like_the_parser(query: str, parameter: str
     from urllib.parse import parse_qs
 
     from exporter.app import Exporter
+    from exporter.config import resolve
     from exporter.settings import Settings
 
-    exporter = Exporter(Settings(scratch_roots=[tmp_path], telemetry_source="none"))
+    exporter = Exporter(resolve(Settings(scratch_roots=[tmp_path], telemetry_source="none")))
     started = time.process_time()
     response = exporter.handle(Request("GET", "/api/v1/simulate", parse_qs(query), {}))
     assert time.process_time() - started < 5  # was 26 s of CPU for 1e999999 (a generous bound, not a benchmark)
@@ -212,11 +214,11 @@ def test_bytes_held_for_clients_that_do_not_read_are_capped() -> None:
             s.connect(("127.0.0.1", server.port))
             s.sendall(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n")
             clients.append(s)
-            wait_for(lambda i=i: len(built) + server.rejected_total.get(503, 0) == i + 1 and server._offloaded == 0)
+            wait_for(lambda i=i: len(built) + server.stats().rejected["max_held_bytes"] == i + 1 and server._offloaded == 0)
             peak = max(peak, server.held_bytes)
         assert peak <= limits.max_held_bytes + len(body)
         assert get(server.port)[0] == 200  # scrapes go on
-        assert server.rejected_total.get(503, 0) >= 12 - (limits.max_held_bytes // len(body) + 1)
+        assert server.stats().rejected["max_held_bytes"] >= 12 - (limits.max_held_bytes // len(body) + 1)
         wait_for(lambda: server.held_bytes == 0 and server.open_connections == 0, timeout=20)
         for s in clients:
             s.close()
@@ -240,7 +242,8 @@ def test_a_flood_of_silent_connections_does_not_starve_a_scraper() -> None:
                     assert get(server.port)[0] == 200
             wait_for(lambda: server.connections_total >= 400 + 20 + 1)  # silent, fresh scrapes, the scraper
             assert server.open_connections <= 20
-            assert server.connections_evicted_total >= 400 - 20 and 503 not in server.rejected_total
+            stats = server.stats()
+            assert stats.evicted >= 400 - 20 and stats.rejected["max_connections"] == 0
         finally:
             scraper.close()
             for s in silent:

@@ -18,17 +18,14 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from helpers import HASH, Pki, make_pki
 
+from exporter.web.auth import FAKE_HASH, RateLimiter, parse_basic_auth
+from exporter.web.tls import build_ssl_context, peer_matches_sans
 from exporter.web.webconfig import (
-    FAKE_HASH,
-    RateLimiter,
     WebConfigError,
     WebConfigFile,
-    build_ssl_context,
     load_web_config,
-    parse_basic_auth,
     parse_go_duration,
     parse_web_config,
-    peer_matches_sans,
 )
 
 
@@ -161,7 +158,7 @@ def test_inline_pem_is_accepted(pki: Pki, tmp_path: Path) -> None:
 
     path = write_config(tmp_path, f"tls_server_config:\n  cert: |\n{block('server.crt')}\n  key: |\n{block('server.key')}\n"
                                   f"  client_auth_type: RequireAndVerifyClientCert\n  client_ca: |\n{block('ca.crt')}\n")
-    ctx = build_ssl_context(load_web_config(path))
+    ctx = build_ssl_context(load_web_config(path).tls)
     assert ctx is not None and ctx.verify_mode is ssl.CERT_REQUIRED and len(ctx.get_ca_certs()) == 1
 
 
@@ -180,18 +177,18 @@ def test_an_encrypted_key_is_refused_without_prompting(pki: Pki, tmp_path: Path)
 
 def test_ssl_context_follows_the_settings(pki: Pki, tmp_path: Path) -> None:
     base = f"tls_server_config:\n  cert_file: {pki.path('server.crt')}\n  key_file: {pki.path('server.key')}\n"
-    ctx = build_ssl_context(parse_web_config(base))
+    ctx = build_ssl_context(parse_web_config(base).tls)
     assert ctx.minimum_version is ssl.TLSVersion.TLSv1_2 and ctx.maximum_version is ssl.TLSVersion.TLSv1_3
     assert ctx.verify_mode is ssl.CERT_NONE and ctx.options & ssl.OP_CIPHER_SERVER_PREFERENCE
     ctx = build_ssl_context(parse_web_config(
         base + "  min_version: TLS13\n  client_auth_type: VerifyClientCertIfGiven\n"
                f"  client_ca_file: {pki.path('ca.crt')}\n  prefer_server_cipher_suites: false\n"
-               "  cipher_suites: [TLS_ECDHE_ECDSA_WITH_AES_256_GCM_SHA384]\n"))
+               "  cipher_suites: [TLS_ECDHE_ECDSA_WITH_AES_256_GCM_SHA384]\n").tls)
     assert ctx.minimum_version is ssl.TLSVersion.TLSv1_3 and ctx.verify_mode is ssl.CERT_OPTIONAL
     assert not ctx.options & ssl.OP_CIPHER_SERVER_PREFERENCE
     tls12 = [c["name"] for c in ctx.get_ciphers() if c["protocol"] == "TLSv1.2"]
     assert tls12 == ["ECDHE-ECDSA-AES256-GCM-SHA384"]
-    assert build_ssl_context(parse_web_config("")) is None
+    assert build_ssl_context(parse_web_config("").tls) is None
 
 
 def test_headers_and_users_are_exposed_exactly() -> None:
@@ -309,3 +306,22 @@ def test_errors_name_the_file_and_key_never_the_value_or_a_class(text: str, tmp_
     assert "SECRET-VALUE" not in message.replace("unknown key 'SECRET-VALUE'", ""), message
     for name in ("str", "int", "dict", "list", "NoneType", "bool", "Model", "pydantic", "ValidationError"):
         assert not re.search(rf"\b{name}\b", message), message
+
+
+@pytest.mark.parametrize(("text", "reported"), [
+    # A wrong key or type anywhere comes before any broken rule between keys.
+    ("tls_server_config:\n  cert: x\n  cert_file: y\nbasic_auth_users: [a]\n", "basic_auth_users: expected a mapping"),
+    # Of broken rules: TLS, then users, then the rate limit, then headers, whatever the file's order.
+    ("http_server_config:\n  headers:\n    Server: x\nbasic_auth_users:\n  a: nothash\ntls_server_config:\n  cert: x\n  cert_file: y\n",
+     "tls_server_config: at most one of cert and cert_file must be configured"),
+    ("http_server_config:\n  headers:\n    Server: x\nrate_limit:\n  interval: soon\nbasic_auth_users:\n  a: nothash\n",
+     "basic_auth_users.a: not a bcrypt hash"),
+    ("http_server_config:\n  headers:\n    Server: x\nrate_limit:\n  interval: soon\n", "rate_limit.interval: invalid duration"),
+    # Within TLS: the names before the rules of a TLS that is on.
+    ("tls_server_config:\n  min_version: TLS99\n  client_auth_type: Bogus\n", "tls_server_config.min_version: unknown TLS version"),
+    ("tls_server_config:\n  key_file: k\n  client_auth_type: Bogus\n", "tls_server_config: missing one of cert or cert_file"),
+])
+def test_of_several_problems_the_same_one_is_reported(text: str, reported: str) -> None:
+    with pytest.raises(WebConfigError) as raised:
+        parse_web_config(text)
+    assert str(raised.value).startswith(f"web config: {reported}"), str(raised.value)

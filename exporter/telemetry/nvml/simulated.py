@@ -10,10 +10,16 @@ exactly as an older driver does.
 Presets: :meth:`FakeNvml.dgx_a100` (8× A100-SXM4-40GB, driver 550.54.15, GPUs 6 and 7 in MIG
 mode), :meth:`FakeNvml.h100_node` (8× H100 80GB HBM3, driver 570, GPU 0 in MIG mode) and
 :meth:`FakeNvml.v100_old_driver` (4× V100, driver 470: no v2/v3/V calls, retired pages).
+:meth:`FakeNvml.from_mock_file` builds the machine a mock device file describes
+(:mod:`exporter.telemetry.nvml.mockfile`, ``--telemetry.source mock``): its values follow the
+file's patterns on the machine's clock, quantised to NVML's units (%, °C, mW, MHz); what the file
+does not describe (ECC, clocks-event reasons, PCIe counters, XID events, an unknown process list,
+the geometry of a MIG layout it does not give) answers NOT_SUPPORTED or, for the geometry,
+NO_PERMISSION.
 
 The same machine also answers the CUDA driver API (``libcuda.so.1``) through
-:class:`FakeCudaDriver`, which ``installed()`` puts where ``exporter.nvml`` loads the library:
-``cuInit`` / ``cuDeviceGetCount`` / ``cuDeviceGet`` / ``cuDeviceGetAttribute`` (SM count) /
+:class:`FakeCudaDriver`, which ``installed()`` puts where :mod:`exporter.telemetry.nvml.cuda` loads
+the library: ``cuInit`` / ``cuDeviceGetCount`` / ``cuDeviceGet`` / ``cuDeviceGetAttribute`` (SM count) /
 ``cuDeviceGetPCIBusId`` / ``cuDeviceGetUuid[_v2]`` / ``cuDeviceTotalMem_v2``, with CUresult codes
 and out-parameters written through ``byref``. CUDA enumerates the GPUs that are not in MIG mode,
 ordered by PCI bus id (``CUDA_DEVICE_ORDER`` default ``FASTEST_FIRST`` may differ from NVML's
@@ -34,6 +40,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import re
 import threading
 import time
 import uuid as uuidlib
@@ -41,12 +48,15 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pynvml
 
-from exporter.telemetry.mig import BUILTIN_TABLES, GpuInstance, creatable_instances
-from exporter.telemetry.nvml import binding as nvml_module
+from exporter.telemetry.mig import BUILTIN_TABLES, GpuInstance, MigProfile, creatable_instances
+from exporter.telemetry.nvml import cuda as cuda_module
+
+if TYPE_CHECKING:
+    from exporter.telemetry.nvml.mockfile import MockGpu, MockMachine, MockMigDevice
 
 GIB = 1024**3
 MIB = 1024**2
@@ -64,6 +74,7 @@ LIB_RM_VERSION_MISMATCH = pynvml.NVML_ERROR_LIB_RM_VERSION_MISMATCH
 ARGUMENT_VERSION_MISMATCH = pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH
 UNKNOWN = pynvml.NVML_ERROR_UNKNOWN
 NO_ID = 0xFFFFFFFF
+NOT_AVAILABLE = pynvml.NVML_VALUE_NOT_AVAILABLE_ulonglong.value  # a process's memory NVML cannot tell
 
 # Calls that still work on a GPU whose every metric is NOT_SUPPORTED.
 IDENTITY_CALLS = frozenset(
@@ -124,12 +135,16 @@ class _Return(Exception):
 
 
 # What NVML reports of a GPU-instance profile beyond its geometry (exporter.telemetry.mig):
-# the NVML_GPU_INSTANCE_PROFILE_* index by profile ID, and (MiB, SMs) as `nvidia-smi mig -lgip` lists them.
-_PROFILE_INDEX = {19: 0, 20: 7, 15: 9, 14: 1, 9: 2, 5: 3, 0: 4}
+# (MiB, SMs) by profile ID as `nvidia-smi mig -lgip` lists them.
 _PROFILE_SIZES = {
     "A100-40GB": {19: (4864, 14), 20: (4864, 14), 15: (9856, 14), 14: (9856, 28), 9: (19968, 42), 5: (19968, 56), 0: (40192, 98)},
+    "A100-80GB": {19: (9728, 14), 20: (9728, 14), 15: (19968, 14), 14: (19968, 28), 9: (40192, 42), 5: (40192, 56), 0: (81152, 98)},
     "H100-80GB": {19: (9984, 16), 20: (9984, 16), 15: (20096, 26), 14: (20096, 32), 9: (40448, 60), 5: (40448, 64), 0: (81152, 132)},
 }
+# NVML_GPU_INSTANCE_PROFILE_<n>_SLICE by compute slices; "+me" profiles are the *_REV1 ones, a
+# one-slice profile with two memory slices is 1_SLICE_REV2.
+_SLICE_INDEX = {1: 0, 2: 1, 3: 2, 4: 3, 7: 4, 8: 5, 6: 6}
+_REV1_INDEX, _REV2_INDEX = {1: 7, 2: 8}, 9
 
 
 @dataclass(frozen=True)
@@ -147,11 +162,33 @@ class FakeProfile:
     multiprocessors: int
 
 
+def _profile_index(p: MigProfile) -> int:
+    if p.name.endswith("+me"):
+        return _REV1_INDEX[p.compute_slices]
+    if p.compute_slices == 1 and p.memory_slices == 2:
+        return _REV2_INDEX
+    return _SLICE_INDEX[p.compute_slices]
+
+
+def _estimated_sizes(sku: str) -> dict[int, tuple[int, int]]:
+    """(MiB, SMs) by profile ID of a SKU without a measured ``-lgip`` table: memory from the name's
+    nominal GB (real sizes sit a few % below it), SMs as the H100's profile of the same ID on an
+    8-slice SKU, else 14 per compute slice (A30)."""
+    table, hopper = BUILTIN_TABLES[sku], _PROFILE_SIZES["H100-80GB"]
+    sizes = {}
+    for p in table.profiles:
+        nominal_gb = int(re.search(r"\.(\d+)gb", p.name).group(1))  # type: ignore[union-attr]
+        sms = hopper[p.profile_id][1] if table.memory_slices == 8 else 14 * p.compute_slices
+        sizes[p.profile_id] = (int(nominal_gb * 1e9) // MIB, sms)
+    return sizes
+
+
 @functools.cache
 def mig_profiles(sku: str) -> tuple[FakeProfile, ...]:
-    sizes = _PROFILE_SIZES[sku]
+    """The GPU-instance profiles of a SKU of :data:`exporter.telemetry.mig.BUILTIN_TABLES`."""
+    sizes = _PROFILE_SIZES.get(sku) or _estimated_sizes(sku)
     return tuple(
-        FakeProfile(_PROFILE_INDEX[p.profile_id], p.profile_id, p.name, p.compute_slices, p.memory_slices,
+        FakeProfile(_profile_index(p), p.profile_id, p.name, p.compute_slices, p.memory_slices,
                     p.max_instances, p.starts, *sizes[p.profile_id])
         for p in BUILTIN_TABLES[sku].profiles
     )
@@ -163,7 +200,9 @@ class FakeCi:
     slices: int  # compute slices
     mig_index: int
     uuid: str
-    processes: list[tuple[int, int]] = field(default_factory=list)  # (pid, used bytes)
+    processes: list[tuple[int, int | None]] = field(default_factory=list)  # (pid, used bytes or None)
+    profile: str | None = None  # the name's profile when it is not the GI's (a mock device file's)
+    multiprocessors: int | None = None  # None: the GI profile's share
 
 
 @dataclass
@@ -173,6 +212,8 @@ class FakeGi:
     start: int
     memory_used: int
     cis: list[FakeCi] = field(default_factory=list)
+    memory_total: int | None = None  # bytes; None: the profile's size
+    patterns: dict[str, Callable[[float], int]] = field(default_factory=dict)  # as FakeGpu.patterns
 
 
 @dataclass
@@ -205,7 +246,7 @@ class FakeGpu:
     retired_pending: int = 0
     clocks_event: int = 0x1
     clocks_supported: int = 0x1FF
-    processes: list[tuple[int, int]] = field(default_factory=list)
+    processes: list[tuple[int, int | None]] = field(default_factory=list)  # (pid, used bytes or None)
     process_sm: dict[int, int] = field(default_factory=dict)  # pid -> SM % of its latest sample
     mig_sku: str | None = None  # a key of exporter.telemetry.mig.BUILTIN_TABLES; None: not MIG-capable
     mig_current: bool = False
@@ -215,7 +256,12 @@ class FakeGpu:
     lost: bool = False
     lost_handle_code: int = GPU_IS_LOST  # what GetHandleByIndex answers once lost
     unsupported: set[str] = field(default_factory=set)
+    denied: set[str] = field(default_factory=set)  # C symbols answering NO_PERMISSION on this GPU
     registered_events: int = 0
+    # Field name -> its value at a clock reading (seconds), in the field's unit: every call about
+    # this GPU first brings these fields to the clock (a mock device file's patterns).
+    patterns: dict[str, Callable[[float], int]] = field(default_factory=dict)
+    advanced_at: float | None = None
 
     def cis(self) -> Iterator[tuple[FakeGi, FakeCi]]:
         for gi in self.gis:
@@ -274,8 +320,8 @@ class FakeNvml:
         self,
         gpus: list[FakeGpu],
         *,
-        driver_version: str,
-        cuda_version: int,
+        driver_version: str | None,
+        cuda_version: int | None,
         absent: frozenset[str] = frozenset(),
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -405,15 +451,38 @@ class FakeNvml:
         ]
         return cls(gpus, driver_version="470.82.01", cuda_version=11040, absent=ABSENT_IN_R470, clock=clock)
 
+    @classmethod
+    def from_mock_file(cls, machine: MockMachine, clock: Callable[[], float] = time.time) -> FakeNvml:
+        """The machine a mock device file describes (:func:`exporter.telemetry.nvml.mockfile.parse_mock_file`).
+
+        Each GPU's values follow the file's patterns on ``clock`` (seconds since the epoch), read
+        at each call and quantised as NVML reports them; its energy counter starts at 0 now and
+        integrates the power drawn. A GPU with MIG devices is in MIG mode with one GPU instance
+        per ``gpu_instance_id``; its geometry is readable only where the file places every device
+        on a SKU whose profiles this library knows, else it answers NO_PERMISSION, as to a reader
+        without the mig/monitor capability. The driver has no XID events to report.
+        """
+        now = clock()
+        gpus = [_mock_gpu(index, gpu) for index, gpu in enumerate(machine.gpus)]
+        cuda = None
+        if machine.cuda_version is not None:  # "12.4" -> 12040, as cudaDriverGetVersion counts
+            major, minor = machine.cuda_version.split(".")[:2]
+            cuda = int(major) * 1000 + int(minor) * 10
+        fake = cls(gpus, driver_version=machine.driver_version, cuda_version=cuda, clock=clock)
+        fake._epoch = now
+        for gpu in gpus:
+            fake._advance(gpu, now)  # the values at the epoch, before any energy is drawn
+        return fake
+
     # -- installation and controls ---------------------------------------------------------
 
     @contextmanager
     def installed(self) -> Iterator[FakeNvml]:
         """Make this machine the ``libnvidia-ml`` behind ``pynvml`` for the duration."""
-        saved, saved_cuda = pynvml.nvmlLib, nvml_module._load_libcuda
+        saved, saved_cuda = pynvml.nvmlLib, cuda_module._load_libcuda
         pynvml.nvmlLib = _FakeLib(self)
         pynvml._nvmlGetFunctionPointer_cache.clear()
-        nvml_module._load_libcuda = self.load_libcuda
+        cuda_module._load_libcuda = self.load_libcuda
         try:
             yield self
         finally:
@@ -421,7 +490,7 @@ class FakeNvml:
                 fault.release()  # lets threads stuck in a hang finish
             pynvml.nvmlLib = saved
             pynvml._nvmlGetFunctionPointer_cache.clear()
-            nvml_module._load_libcuda = saved_cuda
+            cuda_module._load_libcuda = saved_cuda
 
     def load_libcuda(self) -> FakeCudaDriver:
         """What ``ctypes.CDLL("libcuda.so.1")`` gives on this machine."""
@@ -534,11 +603,28 @@ class FakeNvml:
             unknown = [name for name in values if not hasattr(gpu, name)]
             if unknown:
                 raise AttributeError(f"FakeGpu has no field {unknown[0]!r}")
-            if "power_mw" in values:
-                elapsed = max(0.0, self._clock() - self._epoch)
-                gpu.energy_mj += int(gpu.power_mw * elapsed) - int(values["power_mw"] * elapsed)
-            for name, value in values.items():
-                setattr(gpu, name, value)
+            self._set(gpu, values, self._clock())
+
+    def _set(self, gpu: FakeGpu, values: dict[str, Any], now: float) -> None:
+        if "power_mw" in values:
+            elapsed = max(0.0, now - self._epoch)
+            gpu.energy_mj += int(gpu.power_mw * elapsed) - int(values["power_mw"] * elapsed)
+        for name, value in values.items():
+            setattr(gpu, name, value)
+
+    def _advance(self, gpu: FakeGpu, now: float | None = None) -> None:
+        """Bring the fields that follow patterns to the clock (under the lock); the power drawn since
+        the last call counts into the energy counter at the level it had then."""
+        if not gpu.patterns and not any(gi.patterns for gi in gpu.gis):
+            return
+        now = self._clock() if now is None else now
+        if now == gpu.advanced_at:
+            return
+        self._set(gpu, {name: value(now) for name, value in gpu.patterns.items()}, now)
+        for gi in gpu.gis:
+            for name, value in gi.patterns.items():
+                setattr(gi, name, value(now))
+        gpu.advanced_at = now
 
     def set_mig_memory(self, index: int, mig_index: int, used: int) -> None:
         """Memory used in the GPU instance of MIG device ``mig_index`` of GPU ``index``, in bytes."""
@@ -565,6 +651,8 @@ class FakeNvml:
             if symbol not in ("nvmlInitWithFlags", "nvmlErrorString") and self._refcount == 0:
                 return UNINITIALIZED
             gpu, on_mig = self._target(symbol, args)
+            if gpu is not None:
+                self._advance(gpu)
             faults = [f for f in self._faults if f.symbol == symbol and (f.index is None or (gpu and gpu.index == f.index))]
         for fault in faults:
             if fault.code is not None:
@@ -582,7 +670,7 @@ class FakeNvml:
                         return NOT_SUPPORTED
                     if on_mig and symbol not in MIG_HANDLE_CALLS:
                         return NOT_SUPPORTED
-                    if self.unprivileged and symbol in GEOMETRY_CALLS:
+                    if symbol in gpu.denied or (self.unprivileged and symbol in GEOMETRY_CALLS):
                         return NO_PERMISSION
                 return impl(*args) or SUCCESS
         except _Return as answer:
@@ -657,14 +745,23 @@ class FakeNvml:
     def _c_nvmlErrorString(self, code: Any) -> bytes:
         return b"Unknown Error"  # the binding has its own strings for every code it raises here
 
-    def _c_nvmlSystemGetDriverVersion(self, buf: Any, size: Any) -> None:
+    def _c_nvmlSystemGetDriverVersion(self, buf: Any, size: Any) -> int:
+        if self.driver_version is None:
+            return NOT_SUPPORTED
         buf.value = self.driver_version.encode()
+        return SUCCESS
 
-    def _c_nvmlSystemGetNVMLVersion(self, buf: Any, size: Any) -> None:
+    def _c_nvmlSystemGetNVMLVersion(self, buf: Any, size: Any) -> int:
+        if self.driver_version is None or self.cuda_version is None:
+            return NOT_SUPPORTED
         buf.value = f"{self.cuda_version // 1000}.{self.driver_version}".encode()
+        return SUCCESS
 
-    def _c_nvmlSystemGetCudaDriverVersion(self, ref: Any) -> None:
+    def _c_nvmlSystemGetCudaDriverVersion(self, ref: Any) -> int:
+        if self.cuda_version is None:
+            return NOT_SUPPORTED
         ref._obj.value = self.cuda_version
+        return SUCCESS
 
     def _c_nvmlDeviceGetCount_v2(self, ref: Any) -> None:
         ref._obj.value = len(self.gpus)
@@ -700,7 +797,7 @@ class FakeNvml:
             buf.value = gpu.name.encode()
         else:  # nvidia-smi's MIG device names: "<GPU> MIG 3g.20gb", or "1c.3g.20gb" for a partial CI
             profile = gi.spec.name if ci.slices == gi.spec.slices else f"{ci.slices}c.{gi.spec.name}"
-            buf.value = f"{gpu.name} MIG {profile}".encode()
+            buf.value = f"{gpu.name} MIG {ci.profile or profile}".encode()
 
     def _c_nvmlDeviceGetPciInfo_v3(self, handle: Any, ref: Any) -> None:
         gpu = self._gpu_only(handle)
@@ -733,10 +830,14 @@ class FakeNvml:
         """(total, reserved, used excluding reserved) of a GPU, MIG device or MIG parent."""
         gpu, _, gi = self._device(handle)
         if gi is not None:
-            return gi.spec.memory_mib * MIB, 0, gi.memory_used
+            return self._gi_memory(gi), 0, gi.memory_used
         self._aggregate_allowed(gpu)
         used = sum(gi.memory_used for gi in gpu.gis) if gpu.mig_current else gpu.memory_used
         return gpu.memory_total, gpu.memory_reserved, used
+
+    @staticmethod
+    def _gi_memory(gi: FakeGi) -> int:
+        return gi.spec.memory_mib * MIB if gi.memory_total is None else gi.memory_total
 
     def _c_nvmlDeviceGetMemoryInfo(self, handle: Any, ref: Any) -> None:
         total, reserved, used = self._memory(handle)
@@ -850,7 +951,7 @@ class FakeNvml:
 
     _c_nvmlDeviceGetSupportedClocksThrottleReasons = _c_nvmlDeviceGetSupportedClocksEventReasons
 
-    def _processes(self, handle: Any) -> list[tuple[int, int, int, int]]:
+    def _processes(self, handle: Any) -> list[tuple[int, int | None, int, int]]:
         gpu, ci, gi = self._device(handle)
         if ci is not None and gi is not None:
             return [(pid, used, gi.gi_id, ci.ci_id) for pid, used in ci.processes]
@@ -865,7 +966,7 @@ class FakeNvml:
             count._obj.value = len(processes)
             return INSUFFICIENT_SIZE if processes else SUCCESS
         for k, (pid, used, gi_id, ci_id) in enumerate(processes):
-            infos[k].pid, infos[k].usedGpuMemory = pid, used
+            infos[k].pid, infos[k].usedGpuMemory = pid, NOT_AVAILABLE if used is None else used
             infos[k].gpuInstanceId, infos[k].computeInstanceId = gi_id, ci_id
         count._obj.value = len(processes)
         return SUCCESS
@@ -893,16 +994,16 @@ class FakeNvml:
 
     def _c_nvmlDeviceGetMigMode(self, handle: Any, current: Any, pending: Any) -> int:
         gpu = self._gpu_only(handle)
-        if gpu.mig_sku is None:
+        if gpu.mig_sku is None and not gpu.mig_current:  # MIG-enabled: a SKU without a table here
             return NOT_SUPPORTED
         current._obj.value, pending._obj.value = int(gpu.mig_current), int(gpu.mig_pending)
         return SUCCESS
 
     def _c_nvmlDeviceGetMaxMigDeviceCount(self, handle: Any, ref: Any) -> int:
         gpu = self._gpu_only(handle)
-        if gpu.mig_sku is None:
+        if gpu.mig_sku is None and not gpu.mig_current:
             return NOT_SUPPORTED
-        ref._obj.value = 7 if gpu.mig_current else 0
+        ref._obj.value = max(7, sum(1 for _ in gpu.cis())) if gpu.mig_current else 0
         return SUCCESS
 
     def _c_nvmlDeviceGetMigDeviceHandleByIndex(self, handle: Any, index: Any, ref: Any) -> int:
@@ -936,9 +1037,10 @@ class FakeNvml:
         if ci is None or gi is None:  # nvml.h: only MIG device handles
             return NOT_SUPPORTED
         attrs = ref._obj
-        attrs.multiprocessorCount = gi.spec.multiprocessors * ci.slices // gi.spec.slices
+        shared = gi.spec.multiprocessors * ci.slices // gi.spec.slices  # the CI's share of its GI
+        attrs.multiprocessorCount = shared if ci.multiprocessors is None else ci.multiprocessors
         attrs.gpuInstanceSliceCount, attrs.computeInstanceSliceCount = gi.spec.slices, ci.slices
-        attrs.memorySizeMB = gi.spec.memory_mib
+        attrs.memorySizeMB = self._gi_memory(gi) // MIB
         return SUCCESS
 
     def _profile(self, gpu: FakeGpu, profile_id: int) -> FakeProfile:
@@ -1130,7 +1232,12 @@ class FakeCudaDriver:
 
     def _c_cuDeviceGetUuid(self, ref: Any, dev: Any) -> None:
         gpu = self._gpu(dev)
-        raw = bytes.fromhex(gpu.uuid.removeprefix("GPU-").replace("-", ""))
+        digits = gpu.uuid.removeprefix("GPU-").replace("-", "")
+        # CUDA's uuid is 16 bytes; a mock device's id need not be a UUID, then it matches by bus id.
+        if re.fullmatch(r"[0-9a-fA-F]{32}", digits):
+            raw = bytes.fromhex(digits)
+        else:
+            raw = uuidlib.uuid5(uuidlib.NAMESPACE_URL, gpu.uuid).bytes
         ctypes.memmove(ctypes.addressof(ref._obj), raw, 16)
 
     def _c_cuDeviceGetUuid_v2(self, ref: Any, dev: Any) -> None:
@@ -1139,6 +1246,104 @@ class FakeCudaDriver:
     def _c_cuDeviceTotalMem_v2(self, ref: Any, dev: Any) -> None:
         gpu = self._gpu(dev)
         ref._obj.value = gpu.memory_total - gpu.memory_reserved
+
+
+# Mock device file keys -> (FakeGpu field, value in NVML's unit from the pattern's value).
+_MOCK_FIELDS: dict[str, tuple[str, Callable[[float], float]]] = {
+    "utilization_ratio": ("util_gpu", lambda v: 100 * v),  # %
+    "memory_utilization_ratio": ("util_memory", lambda v: 100 * v),
+    "temperature_celsius": ("temperature", lambda v: v),  # °C
+    "power_watts": ("power_mw", lambda v: 1000 * v),  # mW
+    "sm_clock_mhz": ("sm_clock", lambda v: v),  # MHz
+    "memory_clock_mhz": ("mem_clock", lambda v: v),
+    "fan_speed_ratio": ("fan", lambda v: 100 * v),  # %
+}
+# What a mock device file does not describe: NOT_SUPPORTED, as on a GPU without the feature.
+_UNDESCRIBED = frozenset(
+    {
+        "nvmlDeviceGetTotalEccErrors",
+        "nvmlDeviceGetCurrentClocksEventReasons",
+        "nvmlDeviceGetCurrentClocksThrottleReasons",
+        "nvmlDeviceGetSupportedClocksEventReasons",
+        "nvmlDeviceGetSupportedClocksThrottleReasons",
+        "nvmlDeviceGetPcieThroughput",
+        "nvmlDeviceGetSupportedEventTypes",
+        "nvmlDeviceRegisterEvents",
+    }
+)
+_PROCESS_CALLS = frozenset(
+    {"nvmlDeviceGetComputeRunningProcesses_v2", "nvmlDeviceGetComputeRunningProcesses_v3", "nvmlDeviceGetProcessUtilization"}
+)
+
+
+def _follow(pattern: Any, unit: Callable[[float], float], whole: bool = False) -> Callable[[float], int]:
+    """A field's value at a clock reading: the pattern's, in the field's unit, rounded (``whole``:
+    truncated, for byte counts)."""
+    if whole:
+        return lambda t: int(unit(pattern.at(t)))
+    return lambda t: round(unit(pattern.at(t)))
+
+
+def _mock_gpu(index: int, gpu: MockGpu) -> FakeGpu:
+    patterns = {field_: _follow(gpu.patterns[key], unit) for key, (field_, unit) in _MOCK_FIELDS.items() if key in gpu.patterns}
+    if "memory_used_ratio" in gpu.patterns:
+        total = gpu.memory_bytes
+        patterns["memory_used"] = _follow(gpu.patterns["memory_used_ratio"], lambda v: total * v, whole=True)
+    processes = gpu.processes or ()
+    fake = FakeGpu(
+        index=index,
+        uuid=gpu.uuid,
+        name=gpu.model_name,
+        pci_bus_id=gpu.pci_bus_id,
+        pci_device_id=0,
+        serial=gpu.serial,
+        numa_node=gpu.numa_node,
+        memory_total=gpu.memory_bytes,
+        memory_reserved=0,
+        memory_used=0,
+        power_limit_mw=round(gpu.power_limit_watts * 1000),
+        energy_mj=0,
+        remapped_rows=None,
+        processes=[(p.pid, p.used_memory_bytes) for p in processes],
+        process_sm={p.pid: round(100 * p.sm_ratio) for p in processes if p.sm_ratio is not None},
+        mig_sku=gpu.mig_sku.sku if gpu.mig_sku is not None else None,
+        multiprocessors=gpu.multiprocessors,
+        unsupported=set(_UNDESCRIBED) | (set(_PROCESS_CALLS) if gpu.processes is None else set()),
+        patterns=patterns,
+    )
+    if gpu.mig_devices:
+        fake.gis = _mock_instances(gpu)
+        fake.mig_current = fake.mig_pending = True
+        if gpu.mig_sku is None or any(m.placement is None for m in gpu.mig_devices):
+            fake.denied |= GEOMETRY_CALLS
+    return fake
+
+
+def _mock_instances(gpu: MockGpu) -> list[FakeGi]:
+    """GPU instances of a mock GPU's MIG devices, one compute instance per device."""
+    specs = {spec.name: spec for spec in mig_profiles(gpu.mig_sku.sku)} if gpu.mig_sku is not None else {}
+    instances: dict[int, FakeGi] = {}
+    for mig_index, m in enumerate(gpu.mig_devices):
+        gi = instances.get(m.gpu_instance_id)
+        if gi is None:
+            spec = specs.get(m.profile) if m.placement is not None else None
+            gi = instances[m.gpu_instance_id] = FakeGi(
+                gi_id=m.gpu_instance_id,
+                spec=spec or _described_profile(m),
+                start=m.placement.start if m.placement is not None else 0,
+                memory_used=0,
+                memory_total=m.memory_bytes,
+                patterns={"memory_used": _follow(m.memory_used, lambda v, total=m.memory_bytes: total * v, whole=True)},
+            )
+        ci = FakeCi(m.compute_instance_id, gi.spec.slices, mig_index, m.uuid, profile=m.profile, multiprocessors=m.multiprocessors)
+        gi.cis.append(ci)
+    return list(instances.values())
+
+
+def _described_profile(m: MockMigDevice) -> FakeProfile:
+    """A GPU-instance profile as far as the file describes it (no geometry is answered for it)."""
+    size = m.placement.size if m.placement is not None else 1
+    return FakeProfile(-1, -1, m.profile, 1, size, 1, (), m.memory_bytes // MIB, m.multiprocessors)
 
 
 def _uuid(scope: str, index: int, prefix: str = "GPU-") -> str:

@@ -1,5 +1,5 @@
-"""SM counts of whole GPUs from the CUDA driver API (and the model table), on the fake driver and,
-marked ``gpu``, on a real one; and the fGPU capacity they give."""
+"""SM counts of whole GPUs from the CUDA driver API (exporter/telemetry/nvml/cuda.py) and the model
+table, on the simulated driver and, marked ``gpu``, on a real one; and the fGPU capacity they give."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ from exporter.telemetry.nvml import (
     normalize_pci_bus_id,
     probe,
 )
-from exporter.telemetry.nvml import binding as nvml
 from exporter.telemetry.nvml.simulated import FakeNvml
 
 
@@ -32,7 +31,7 @@ def read_all(source: NvmlSource):
 def test_cuda_lists_every_gpu_not_in_mig_mode_with_its_sms_uuid_and_bus_id() -> None:
     fake = FakeNvml.dgx_a100()
     with fake.installed():
-        devices = cuda_devices(nvml._load_libcuda)
+        devices = cuda_devices()  # loads libcuda at call time: the installed machine's
     assert len(devices) == 6  # GPUs 6 and 7 are in MIG mode
     assert {d.multiprocessor_count for d in devices} == {108}
     by_uuid = {g.uuid: g for g in fake.gpus}
@@ -50,14 +49,14 @@ def test_cuda_failures_say_why(state: str, why: str) -> None:
     fake = FakeNvml.dgx_a100()
     fake.cuda_state = state
     with fake.installed(), pytest.raises(CudaUnavailable, match=why):
-        cuda_devices(nvml._load_libcuda)
+        cuda_devices()
 
 
 def test_an_unloaded_driver_answers_no_device() -> None:
     fake = FakeNvml.dgx_a100()
     fake.unload_driver()
     with fake.installed(), pytest.raises(CudaUnavailable, match="no CUDA device"):
-        cuda_devices(nvml._load_libcuda)
+        cuda_devices()
 
 
 def test_calls_before_cuinit_are_refused_as_the_driver_does() -> None:

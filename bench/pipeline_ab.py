@@ -1,0 +1,169 @@
+"""The run-time path's targets at 10,000 kernels, this checkout beside another, in one run.
+
+    python bench/pipeline_ab.py --compare /tmp/before          # all stages, both checkouts
+    python bench/pipeline_ab.py --compare /tmp/before --idle 60 --trials 40
+
+Each stage alternates the two checkouts' exporters (fresh processes on one 10,000-kernel tree,
+``--telemetry.source none`` with a capacity override per GPU, so headroom has devices):
+
+a. cold start: spawn -> ``READY=1``, ``--starts`` times each, alternated; the medians.
+b. change -> headroom: a kernel's ``resource.txt`` rewritten, then ``/api/v1/simulate`` asked until
+   the headroom it starts from has moved (what headroom figures and ``request_fits`` read);
+   and change -> ``/api/v1/alloc-map``; p50/p99 of ``--trials`` changes.
+c. the first ``/metrics`` scrape after each change (gzip, as Prometheus asks): p50/p99, beside
+   node_exporter's median scrape in the same run.
+d. idle CPU: ``--idle`` seconds, a scrape every 15 s, percent of one core.
+
+Prints one JSON document (both checkouts' figures and the ratios this/other). A shared 2-core
+machine is noisy: read the medians and the ratios of one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from decimal import Decimal
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import GPUS, ExporterProcess, build_tree, compile_bytecode, percentile, resource_text, settle  # noqa: E402
+from run import NodeExporter, Timed  # noqa: E402
+
+OVERRIDES = [arg for gpu in GPUS for arg in ("--capacity.override", f"{gpu}=13.5")]
+EXTRA = ("--headroom.mode", "fractional", *OVERRIDES)
+
+
+def ms(values: list[float], q: float | None = None) -> float:
+    return round(1000 * (statistics.median(values) if q is None else percentile(values, q)), 2)
+
+
+def cold_starts(root: Path, repos: dict[str, Path | None], runs: int) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {name: [] for name in repos}
+    for _ in range(runs):
+        for name, repo in repos.items():
+            ex = ExporterProcess(root, *EXTRA, repo=repo)
+            out[name].append(ex.ready_seconds)
+            ex.stop()
+    return out
+
+
+def headroom_of(client: Timed) -> str:
+    body = client.get("/api/v1/simulate?request=cuda.shares=0.01&policy=evenly")[2]
+    return json.loads(body)["headroom"]["before"]["headroom"]
+
+
+def changes(ex: ExporterProcess, root: Path, truth: dict, trials: int, seed: int) -> dict[str, list[float]]:
+    """Per change: seconds until headroom moved, until the alloc map moved, and the first scrape."""
+    rng = random.Random(seed)
+    ids = sorted(truth)
+    plain, scrape = Timed(ex.port, headers={}), Timed(ex.port)
+    out: dict[str, list[float]] = {"headroom": [], "alloc_map": [], "first_scrape": []}
+    try:
+        scrape.get()
+        for i in range(trials):
+            time.sleep(rng.uniform(0.005, 0.02))  # decorrelate from any periodic work
+            kid = ids[rng.randrange(len(ids))]
+            device = GPUS[i % len(GPUS)]
+            # A whole share more or less on one GPU: the node's headroom moves by it.
+            held = sum(truth[kid].values(), Decimal(0))
+            new = {device: Decimal("0.5") if held > 1 else Decimal(2)}
+            room, amap = headroom_of(plain), plain.get("/api/v1/alloc-map")[2]
+            t0 = time.perf_counter()
+            (root / kid / "config" / "resource.txt").write_text(resource_text(new))
+            seen_map = seen_room = None
+            while seen_map is None or seen_room is None:
+                now = time.perf_counter()
+                if now - t0 > 10:
+                    raise RuntimeError(f"change of {kid} not visible after 10 s")
+                if seen_room is None and headroom_of(plain) != room:
+                    seen_room = time.perf_counter() - t0
+                if seen_map is None and plain.get("/api/v1/alloc-map")[2] != amap:
+                    seen_map = time.perf_counter() - t0
+            truth[kid] = new
+            out["headroom"].append(seen_room)
+            out["alloc_map"].append(seen_map)
+            out["first_scrape"].append(scrape.get()[0])
+    finally:
+        plain.close()
+        scrape.close()
+    return out
+
+
+def idle_cpu(ex: ExporterProcess, seconds: float) -> float:
+    client = Timed(ex.port)
+    try:
+        client.get()
+        time.sleep(3)
+        cpu0, t0 = ex.cpu_seconds(), time.perf_counter()
+        next_scrape = t0 + 15
+        while time.perf_counter() - t0 < seconds:
+            time.sleep(min(1.0, max(0.0, t0 + seconds - time.perf_counter())))
+            if time.perf_counter() >= next_scrape:
+                client.get()
+                next_scrape += 15
+        return round(100 * (ex.cpu_seconds() - cpu0) / (time.perf_counter() - t0), 3)
+    finally:
+        client.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--compare", type=Path, required=True, help="another checkout of the exporter")
+    ap.add_argument("--kernels", type=int, default=10_000)
+    ap.add_argument("--starts", type=int, default=5)
+    ap.add_argument("--trials", type=int, default=40)
+    ap.add_argument("--idle", type=float, default=120.0)
+    args = ap.parse_args()
+    compile_bytecode()
+    repos: dict[str, Path | None] = {"this": None, "other": args.compare.resolve()}
+    with tempfile.TemporaryDirectory(prefix="gpu-alloc-ab-") as tmp:
+        root = Path(tmp) / "scratches"
+        truth = build_tree(root, args.kernels)
+        settle()
+        result: dict = {"kernels": args.kernels, "other": str(args.compare)}
+        starts = cold_starts(root, repos, args.starts)
+        result["cold_start_median_s"] = {n: round(statistics.median(v), 3) for n, v in starts.items()}
+        ne = NodeExporter()
+        try:
+            ne_client = Timed(ne.port)
+            ne_times = [ne_client.get()[0] for _ in range(50)]
+            ne_client.close()
+            result["node_exporter_median_ms"] = ms(ne_times)
+            per: dict[str, dict[str, list[float]]] = {n: {"headroom": [], "alloc_map": [], "first_scrape": []} for n in repos}
+            idle: dict[str, list[float]] = {n: [] for n in repos}
+            for round_ in range(2):  # two alternated rounds of each
+                for name, repo in repos.items():
+                    ex = ExporterProcess(root, *EXTRA, repo=repo)
+                    try:
+                        for key, values in changes(ex, root, truth, args.trials // 2, seed=round_ * 7 + len(name)).items():
+                            per[name][key] += values
+                        idle[name].append(idle_cpu(ex, args.idle / 2))
+                    finally:
+                        ex.stop()
+            for name in repos:
+                result[name] = {
+                    "change_to_headroom_p50_ms": ms(per[name]["headroom"]),
+                    "change_to_headroom_p99_ms": ms(per[name]["headroom"], 99),
+                    "change_to_alloc_map_p50_ms": ms(per[name]["alloc_map"]),
+                    "change_to_alloc_map_p99_ms": ms(per[name]["alloc_map"], 99),
+                    "first_scrape_after_change_p50_ms": ms(per[name]["first_scrape"]),
+                    "first_scrape_after_change_p99_ms": ms(per[name]["first_scrape"], 99),
+                    "idle_cpu_percent_of_core": round(statistics.mean(idle[name]), 3),
+                }
+            result["ratios_this_over_other"] = {
+                key: round(result["this"][key] / result["other"][key], 2) if result["other"][key] else None
+                for key in result["this"]
+            }
+        finally:
+            ne.stop()
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,298 @@
+"""The analysis pipeline: allocation view + telemetry snapshot -> one :class:`~exporter.analysis.model.Analysis`.
+
+One thread runs it. It wakes when the allocation book changes or the sampler publishes (both
+call :meth:`AnalysisPipeline.poke`), or at the latest every ``interval`` seconds, and runs one
+pass over whatever moved since the last, coalescing any number of changes into one result:
+
+* **join**: the device resolver (allocation ids <-> telemetry devices) and the inventory, again
+  only when the snapshot or the set of allocated GPU ids changed;
+* **liveness**: stale kernels from the cgroup tree, on a usage pass, when the kernels changed
+  or every :data:`STALE_CHECK_SECONDS`;
+* **usage**: process attribution and accounting, on every new telemetry sample (or interval);
+* **allocation**: the node state, its headroom figures, the ratio map's divisors, allocations
+  on unknown devices and each agent's share, again whenever the view, the inventory or the
+  liveness changed: a kernel change reaches headroom in one pass, without waiting for a sample.
+
+A stage whose inputs are the same objects as last time keeps its output, so a pass costs what
+changed. :func:`analyse` is the same computation as a pure function (tests, ``scan``, ``simulate``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from exporter.analysis.accounting import Accountant
+from exporter.analysis.agents import AgentLayout, agent_headroom, agent_views
+from exporter.analysis.attribution import AttributionTracker
+from exporter.analysis.capacity import CapacityConfig
+from exporter.analysis.liveness import KernelLiveness, Liveness, classify_kernels, scan_cgroups
+from exporter.analysis.model import AgentShare, Analysis
+from exporter.analysis.node import (
+    HeadroomParams,
+    Inventory,
+    headroom_figures,
+    inventory_from_snapshot,
+    node_state,
+    ratio_capacities,
+)
+from exporter.scratch.allocation import AllocationView
+from exporter.scratch.identity import UNDEFINED
+from exporter.telemetry.devices import DeviceResolver
+from exporter.telemetry.model import TelemetrySnapshot
+
+__all__ = ["STALE_CHECK_SECONDS", "AnalysisPipeline", "PipelineConfig", "analyse", "device_join"]
+
+log = logging.getLogger(__name__)
+
+# Staleness moves on a scale of minutes: re-judged on a kernel change, else every this many seconds.
+STALE_CHECK_SECONDS = 30.0
+_LOG_KERNELS = 5  # kernels named in one stale-change log line; the rest are counted
+_SINGLE = AgentLayout(roots=())
+_DEFAULTS = HeadroomParams()
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """What the pipeline is told (resolved by the configuration, never read here).
+
+    :param interval: seconds between usage passes when no telemetry sample arrives.
+    :param cgroupfs: the cgroup tree for stale kernels; None: staleness is not judged.
+    :param stale_grace: seconds a scratch directory may lack its container before it is stale.
+    """
+
+    params: HeadroomParams = _DEFAULTS
+    layout: AgentLayout = _SINGLE
+    device_id_scheme: str = "auto"
+    interval: float = 5.0
+    cgroupfs: str | Path | None = None
+    stale_grace: float = 300.0
+
+
+def gpu_ids(view: AllocationView) -> frozenset[str]:
+    # Only GPU slots decide the id scheme: CPU core ids ("0", "1") would look like ordinals.
+    return frozenset(d for d, slot in view.device_totals if slot.startswith("cuda."))
+
+
+def device_join(view: AllocationView, snapshot: TelemetrySnapshot, scheme: str = "auto") -> tuple[DeviceResolver, Inventory]:
+    """How this node's allocated device ids map to the snapshot's devices, and the inventory so spelled."""
+    resolver = DeviceResolver(snapshot, gpu_ids(view), scheme)
+    return resolver, inventory_from_snapshot(snapshot, resolver)
+
+
+def _allocation_stage(
+    view: AllocationView, snapshot: TelemetrySnapshot, resolver: DeviceResolver, inventory: Inventory,
+    params: HeadroomParams, layout: AgentLayout, liveness: Mapping[str, KernelLiveness],
+) -> dict:
+    """The fields of :class:`Analysis` that follow the allocation: node state and figures."""
+    state = node_state(view, inventory, params, liveness)
+    unknown = None
+    if snapshot.devices:  # without an inventory nothing can be judged unknown
+        unknown = {
+            (device_id, slot): amount
+            for (device_id, slot), amount in sorted(view.device_totals.items())
+            if slot.startswith("cuda.") and resolver.resolve(device_id) is None
+        }
+    agents = {}
+    if layout.multi_agent:
+        for agent_id, own in agent_views(view, layout).items():
+            own_state = node_state(own, inventory, params, liveness)
+            agents[agent_id] = AgentShare(own, agent_headroom(state, own_state, layout, agent_id))
+    return {
+        "state": state,
+        "headroom": headroom_figures(state, inventory, params),
+        "ratio_capacities": ratio_capacities(state, inventory),
+        "unknown_devices": unknown,
+        "agents": agents,
+    }
+
+
+def analyse(
+    view: AllocationView,
+    snapshot: TelemetrySnapshot | None = None,
+    params: HeadroomParams = _DEFAULTS,
+    *,
+    layout: AgentLayout = _SINGLE,
+    scheme: str = "auto",
+    liveness: Mapping[str, KernelLiveness] | None = None,
+) -> Analysis:
+    """One read model of ``view`` and ``snapshot``, without the usage stage (no attribution or
+    accounting: those integrate over samples): what ``scan``, ``simulate`` and tests read."""
+    snapshot = snapshot or TelemetrySnapshot(source="none")
+    resolver, inventory = device_join(view, snapshot, scheme)
+    liveness = liveness or {}
+    fields = _allocation_stage(view, snapshot, resolver, inventory, params, layout, liveness)
+    return Analysis(view=view, snapshot=snapshot, resolver=resolver, inventory=inventory, layout=layout,
+                    liveness=liveness, **fields)
+
+
+class AnalysisPipeline:
+    """Runs the passes and publishes each :class:`Analysis`; see the module docstring.
+
+    :param view: the allocation book's current view (cheap when nothing changed).
+    :param telemetry: the sampler's (version, latest snapshot).
+    :param tracker: process attribution, kept across passes (it integrates idle windows).
+    :param accountant: GPU accounting, kept across passes (it integrates counters).
+    :param clock: unix time (staleness); ``monotonic``: seconds for intervals.
+    """
+
+    def __init__(
+        self,
+        config: PipelineConfig,
+        view: Callable[[], AllocationView],
+        telemetry: Callable[[], tuple[int, TelemetrySnapshot]],
+        *,
+        tracker: AttributionTracker | None = None,
+        accountant: Accountant | None = None,
+        clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self._view = view
+        self._telemetry = telemetry
+        self._tracker = tracker
+        self._accountant = accountant
+        self._clock = clock
+        self._monotonic = monotonic
+        self._model: Analysis | None = None
+        self._gpu_ids: frozenset[str] = frozenset()
+        self._judged: tuple[int, float] = (-1, 0.0)  # (view version, monotonic time) of the last staleness check
+        self._next_usage = 0.0  # monotonic time the next usage pass is due without a sample
+        self._lock = threading.Lock()  # one pass at a time (the thread, and start() before it)
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def current(self) -> Analysis:
+        """The last published read model (one pass is run first if none has been)."""
+        model = self._model
+        return model if model is not None else self.step()
+
+    def poke(self) -> None:
+        """Something changed: run a pass soon. Cheap, never blocks (book and sampler call it)."""
+        self._wake.set()
+
+    def start(self, first: Callable[[], None] | None = None) -> None:
+        """Run passes on a thread of their own; ``first`` runs on it once before the first wait."""
+        self._thread = threading.Thread(target=self._loop, args=(first,), name="analysis", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _loop(self, first: Callable[[], None] | None) -> None:
+        if first is not None:
+            try:
+                first()
+            except Exception:  # never a dead thread: whatever it prepares is built again on use
+                log.exception("preparing the metrics collector failed")
+        while not self._stop.is_set():
+            self._wake.wait(max(self._next_usage - self._monotonic(), 0.0))
+            if self._stop.is_set():
+                return
+            self._wake.clear()
+            try:
+                self._pass(full=False)
+            except Exception:
+                log.exception("analysis pass failed; the last result stays published")
+                self._stop.wait(1.0)  # a pass that keeps failing must not spin a core
+
+    def step(self) -> Analysis:
+        """One full pass now (usage included, whether or not a sample arrived); publishes and
+        returns the result."""
+        return self._pass(full=True)
+
+    def _pass(self, full: bool) -> Analysis:
+        """One pass over what moved since the last (``full``: the usage stage too)."""
+        with self._lock:
+            prev = self._model
+            view = self._view()
+            sample_version, snapshot = self._telemetry()
+            now = self._monotonic()
+            usage_due = full or prev is None or sample_version != prev.sample_version or now >= self._next_usage
+            if prev is not None and view is prev.view and not usage_due:
+                return prev  # a wake for a change a previous pass already covered
+            ids = gpu_ids(view)
+            if prev is not None and snapshot is prev.snapshot and ids == self._gpu_ids:
+                resolver, inventory = prev.resolver, prev.inventory
+            else:
+                resolver, inventory = device_join(view, snapshot, self.config.device_id_scheme)
+                self._gpu_ids = ids
+            changes: dict = {"view": view, "snapshot": snapshot, "sample_version": sample_version,
+                             "resolver": resolver, "inventory": inventory, "version": prev.version + 1 if prev else 1}
+            if usage_due:
+                changes.update(self._usage(prev, view, snapshot, resolver, now))
+                self._next_usage = now + self.config.interval
+            liveness = changes.get("liveness", prev.liveness if prev else {})
+            if prev is None or view is not prev.view or inventory != prev.inventory or liveness is not prev.liveness:
+                changes.update(_allocation_stage(view, snapshot, resolver, inventory, self.config.params,
+                                                 self.config.layout, liveness))
+                changes["headroom_version"] = prev.headroom_version + 1 if prev else 1
+            self._model = replace(prev, **changes) if prev else Analysis(layout=self.config.layout, **changes)
+            return self._model
+
+    def _usage(self, prev: Analysis | None, view: AllocationView, snapshot: TelemetrySnapshot, resolver: DeviceResolver,
+               now: float) -> dict:
+        """Liveness (when due), attribution and accounting; each failure is logged and leaves
+        its figures empty, never the pass undone."""
+        out: dict = {"usage_version": prev.usage_version + 1 if prev else 1}
+        before = prev.liveness if prev else {}
+        cfg = self.config
+        if cfg.cgroupfs is not None and (view.version != self._judged[0] or now - self._judged[1] >= STALE_CHECK_SECONDS):
+            try:
+                cgroups = scan_cgroups(cfg.cgroupfs)
+                # A kernel without CID= that its agent still keeps in its registry is live.
+                recovery = {kid: k.identity.agent_id for kid, k in view.kernels.items()
+                            if k.identity is not None and k.identity.agent_id != UNDEFINED}
+                liveness = classify_kernels(view.kernels, cgroups, self._clock(), cfg.stale_grace,
+                                            recovery_agents=recovery, host_agents=frozenset(cfg.layout.agents))
+            except Exception:
+                log.exception("stale-kernel check failed")
+                cgroups, liveness = None, {}
+            self._judged = (view.version, now)
+            self._log_stale_changes(before, liveness)
+            visible = cgroups.visible if cgroups else None
+            was_visible = prev.cgroups.visible if prev and prev.cgroups else None
+            if prev is None or liveness != before or visible != was_visible:
+                out.update(liveness=liveness, liveness_version=prev.liveness_version + 1 if prev else 1)
+            out["cgroups"] = cgroups
+        capacity: CapacityConfig = cfg.params.capacity
+        attribution = None
+        if self._tracker is not None:
+            try:
+                attribution = self._tracker.update(snapshot, view.kernels.values(), resolver)
+            except Exception:
+                log.exception("process attribution failed")
+        if self._accountant is not None:
+            try:
+                out["accounting"] = self._accountant.update(view.kernels.values(), snapshot, resolver, capacity, attribution)
+            except Exception:
+                log.exception("GPU accounting failed")
+                out["accounting"] = None
+        out["attribution"] = attribution
+        return out
+
+    def _log_stale_changes(self, before: Mapping[str, KernelLiveness], after: Mapping[str, KernelLiveness]) -> None:
+        """Say once, when it happens, that kernels' allocations leave (or rejoin) the allocated and
+        headroom figures: an operator comparing them with the agent's map needs to know why."""
+        became = sorted(k for k, v in after.items()
+                        if v.status is Liveness.STALE and (k not in before or before[k].status is not Liveness.STALE))
+        back = sorted(k for k, v in before.items()
+                      if v.status is Liveness.STALE and k in after and after[k].status is not Liveness.STALE)
+        excluded = self.config.params.exclude_stale
+        effect = ("left out of the allocated and headroom figures" if excluded
+                  else "still counted in the allocated and headroom figures (--no-headroom.exclude-stale)")
+        for kernels, what, verb in ((became, "stale", effect), (back, "live again", "counted again")):
+            if not kernels or (what == "live again" and not excluded):
+                continue
+            shown = ", ".join(f"{k} ({after[k].reason})" for k in kernels[:_LOG_KERNELS])
+            more = f" and {len(kernels) - _LOG_KERNELS} more" if len(kernels) > _LOG_KERNELS else ""
+            log.info("%d kernel(s) %s, their allocations %s: %s%s", len(kernels), what, verb, shown, more)

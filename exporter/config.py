@@ -1,0 +1,289 @@
+"""The configuration room: every piece of user input read, checked and resolved once, into one
+frozen :class:`Config` that the wiring reads and never questions.
+
+Where a value comes from, highest precedence first:
+
+1. command-line flags (``--scratch.root``, ``--collector.NAME`` ...);
+2. environment variables (``GPU_ALLOC_EXPORTER_*``);
+3. the ``--config.file`` (YAML or TOML);
+4. the Backend.AI agent's agent.toml (``--agent.config``, else ``/etc/backend.ai/agent.toml``
+   when present): scratch roots, agent ids and allocation mode, for what 1-3 leave unset;
+5. built-in defaults.
+
+Flags, environment and config file are merged by :meth:`Settings.load`; this module adds the
+files they name (agent.toml, MIG geometries, the web config and its certificates), the values
+with a grammar of their own (capacity overrides, headroom requests, ``--scratch.agent``) and the
+collector switches. Every mistake is a :class:`ConfigError`: one line naming the flag or file
+and the reason (the command line prints it and exits 2). A default path that does not exist is
+absent; one the service user cannot reach is an error, never a traceback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import socket
+import stat
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from decimal import Decimal
+from pathlib import Path
+from types import MappingProxyType
+from typing import TYPE_CHECKING
+
+from exporter.analysis.agents import AgentLayout
+from exporter.analysis.capacity import CapacityConfig
+from exporter.analysis.node import DEFAULT_REQUESTS, HeadroomParams
+from exporter.analysis.placement import NoFragRule
+from exporter.analysis.placement import Request as PlacementRequest
+from exporter.scratch.agent_config import AgentConfigError, AgentToml, parse_agent_config
+from exporter.settings import ConfigError, Settings, optional_file, read_config_text
+from exporter.telemetry.mig import parse_hami_geometries
+from exporter.units import bounded, parse_decimal
+
+if TYPE_CHECKING:
+    from exporter.web.webconfig import WebConfigFile
+
+__all__ = ["DEFAULT_AGENT_CONFIG", "Config", "agent_layout", "check_roots", "headroom_params", "resolve"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_AGENT_CONFIG = Path("/etc/backend.ai/agent.toml")
+# Stands for the agent's working directory where flags name the roots: never an absolute path, so
+# never one of the roots read.
+_UNKNOWN_DIR = "<agent working directory>"
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything the exporter was told, resolved.
+
+    :param settings: flags, environment and config file, typed and bounded; ``scratch_roots``
+        are the roots the layout reads.
+    :param layout: the host's agents and scratch roots.
+    :param headroom: capacity, reference requests, fragmentation rule, MIG geometries.
+    :param collectors: collector name -> on/off, for those switched explicitly.
+    :param web: the web config (TLS, basic auth), loaded and checked; None without one.
+    """
+
+    settings: Settings
+    layout: AgentLayout
+    headroom: HeadroomParams
+    collectors: Mapping[str, bool] = field(default_factory=dict)
+    web: WebConfigFile | None = None
+
+
+def resolve(
+    settings: Settings,
+    *,
+    agent_config: Path | None = None,
+    hostname: str | None = None,
+    collectors: Mapping[str, bool] | None = None,
+    web: bool = False,
+) -> Config:
+    """Resolve ``settings`` and the files they name into a :class:`Config`.
+
+    :param agent_config: the agent.toml read when present and ``--agent.config`` is not given
+        (the command line passes :data:`DEFAULT_AGENT_CONFIG`; None: none).
+    :param hostname: for agents without an id (``i-<hostname>``, as the agent does off a cloud).
+    :param collectors: ``--collector.NAME`` switches; an unknown name is an error.
+    :param web: load ``--web.config.file`` (only a server needs it).
+    :raises ConfigError: one line naming the flag or file and the reason.
+    """
+    headroom = headroom_params(settings)
+    path = settings.agent_config_file or (optional_file(agent_config, "--agent.config") if agent_config else None)
+    text = read_config_text(path, "--agent.config") if path is not None else None
+    layout = agent_layout(settings, text, str(path) if path else None, hostname or socket.gethostname())
+    if layout.source:
+        log.info("agents from %s: %s", layout.source, ", ".join(layout.agents) or "none")
+    settings = dataclasses.replace(settings, scratch_roots=[Path(r) for r in layout.roots])
+    return Config(settings, layout, headroom, MappingProxyType(_collectors(collectors or {})),
+                  _web_config(settings) if web else None)
+
+
+def _collectors(switches: Mapping[str, bool]) -> dict[str, bool]:
+    from exporter.metrics.collectors import collectors  # light: no prometheus_client
+
+    known = collectors()
+    unknown = sorted(set(switches) - set(known))
+    if unknown:
+        raise ConfigError(f"--collector.{unknown[0]}: no such collector (collectors: {', '.join(known)})")
+    return dict(switches)
+
+
+def _web_config(settings: Settings) -> WebConfigFile | None:
+    if settings.web_config_file is None:
+        return None
+    from exporter.web.webconfig import WebConfigError, WebConfigFile
+
+    web = WebConfigFile(settings.web_config_file)
+    try:
+        web.load()  # unknown keys, bad hashes, unreadable certificates: exit 2
+    except WebConfigError as exc:
+        raise ConfigError(str(exc).replace("\n", " ")) from None
+    return web
+
+
+def check_roots(settings: Settings, allow_missing: bool) -> None:
+    """Each scratch root is a directory this user can list (``allow_missing``: one that does not
+    exist yet is waited for, with a warning)."""
+    for root in settings.scratch_roots:
+        try:
+            is_dir = stat.S_ISDIR(os.stat(root).st_mode)
+        except FileNotFoundError:
+            if allow_missing:
+                log.warning("scratch root %s does not exist yet; waiting for it", root)
+                continue
+            is_dir = False
+        except OSError as exc:  # EACCES on a parent, ELOOP, EIO: the root cannot even be looked at
+            raise ConfigError(f"scratch root {root} cannot be read: {exc.strerror} (set --scratch.root)") from None
+        if not is_dir:
+            raise ConfigError(f"scratch root {root} is not a directory (set --scratch.root)")
+        if not os.access(root, os.R_OK | os.X_OK):
+            raise ConfigError(f"scratch root {root} is not readable by uid {os.getuid()}")
+
+
+# -- headroom ---------------------------------------------------------------------------------
+
+
+def _cut(text: str, limit: int = 80) -> str:
+    # A flag's value, quoted back to the person who typed it: cut, so one line stays one line.
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
+def headroom_params(settings: Settings) -> HeadroomParams:
+    """Headroom settings from the flags; raises ConfigError naming the flag (or file) and the reason."""
+    return HeadroomParams(
+        capacity=CapacityConfig(
+            unit_mem_bytes=settings.capacity_unit_mem, unit_proc=settings.capacity_unit_proc,
+            quantum=settings.capacity_quantum, overrides=_overrides(settings.capacity_overrides),
+        ),
+        mode=settings.headroom_mode,
+        rule=NoFragRule(settings.headroom_nofrag_rule),
+        requests=_requests(settings.headroom_requests) or DEFAULT_REQUESTS,
+        exclude_stale=settings.headroom_exclude_stale,
+        hami=_hami(settings.mig_geometries_file),
+    )
+
+
+def _overrides(items: list[str]) -> dict[str, Decimal]:
+    overrides: dict[str, Decimal] = {}
+    for item in items:
+        device_id, sep, shares = item.rpartition("=")
+        if not sep or not device_id.strip() or not shares.strip():
+            raise ConfigError(f"--capacity.override {_cut(item)!r}: expected DEVICE_ID=SHARES, e.g. GPU-8e3c…=13.5")
+        try:
+            overrides[device_id.strip()] = parse_decimal(shares.strip())
+        except ValueError:
+            raise ConfigError(
+                f"--capacity.override {_cut(item)!r}: SHARES must be a finite, non-negative number of shares"
+            ) from None
+    return overrides
+
+
+def _requests(items: list[str]) -> tuple[PlacementRequest, ...]:
+    requests = []
+    for item in items:
+        try:
+            request = PlacementRequest.parse(item)
+            bounded(request.amount, item)
+        except ValueError as exc:
+            raise ConfigError(f"--headroom.request {_cut(item)!r}: {exc}") from None
+        requests.append(request)
+    return tuple(requests)
+
+
+def _hami(path: Path | None) -> tuple:
+    if path is None:
+        return ()
+    text = read_config_text(path, "--mig.geometries-file")
+    try:
+        return tuple(parse_hami_geometries(text))
+    except ValueError as exc:
+        raise ConfigError(f"--mig.geometries-file {path}: {exc}") from None
+
+
+# -- agents -------------------------------------------------------------------------------------
+
+
+def agent_layout(settings: Settings, agent_toml: str | None, source: str | None, hostname: str) -> AgentLayout:
+    """The host's agents from the flags and agent.toml's text. Precedence, highest first:
+
+    * ``--scratch.agent ROOT=AGENT_ID`` (repeatable): the host's agents and their roots,
+      replacing agent.toml's ``[[agents]]``;
+    * ``--scratch.root``: the roots to read (agent.toml's agents keep their ids; a root no agent
+      names alone is split by each kernel's ``recovery.json``);
+    * ``--agent.id``: the id of the host's one agent (with several, ``--scratch.agent`` names them);
+    * agent.toml: roots, ids, allocation mode; an agent without ``id`` takes ``i-<hostname>``.
+
+    :raises ConfigError: one line naming the flag or file and the reason.
+    """
+    roots_given = "scratch_roots" in settings.given
+    explicit = _bindings(settings.scratch_agents)
+    # A relative scratch-root (the agent's default ./scratches) cannot be located from outside the
+    # agent; that only matters when no flag names the roots.
+    toml = _agent_toml(agent_toml, source, hostname, unknown_dir=bool(explicit) or roots_given)
+    pairs, allocations = _agent_pairs(explicit, toml)
+    agents = tuple(dict.fromkeys(i for _, i in pairs))
+    if settings.agent_id is not None:
+        if len(agents) > 1:
+            where = "--scratch.agent" if explicit else (source or "agent.toml")
+            raise ConfigError(f"--agent.id names one agent but {where} names {len(agents)}; "
+                              "tie roots to agents with --scratch.agent ROOT=AGENT_ID")
+        agents = (settings.agent_id,)
+        pairs = [(root, settings.agent_id) for root, _ in pairs]
+    roots = [str(r) for r in settings.scratch_roots] if roots_given or not pairs else []
+    roots += [root for root in dict.fromkeys(r for r, _ in pairs)
+              if root not in roots and Path(root).is_absolute() and (explicit or not roots_given)]
+    return AgentLayout(
+        roots=tuple(roots),
+        bindings=MappingProxyType(_root_owners(pairs, roots, agents)),
+        agents=agents,
+        allocation_mode=toml.allocation_mode if toml else "shared",
+        allocations=MappingProxyType(allocations),
+        source=source if toml else None,
+    )
+
+
+def _agent_toml(text: str | None, source: str | None, hostname: str, unknown_dir: bool) -> AgentToml | None:
+    if text is None:
+        return None
+    try:
+        return parse_agent_config(text, source or "agent.toml",
+                                  working_dir=_UNKNOWN_DIR if unknown_dir else None).with_default_ids(hostname)
+    except AgentConfigError as exc:
+        raise ConfigError(str(exc).replace("\n", " ")) from None
+
+
+def _agent_pairs(explicit: list[tuple[str, str]], toml: AgentToml | None
+                 ) -> tuple[list[tuple[str, str]], dict[str, Mapping[str, Decimal]]]:
+    """(root, agent id) pairs, and each agent's ``manual`` allocations from agent.toml."""
+    if not toml:
+        return explicit, {}
+    if explicit:
+        named = {i for _, i in explicit}
+        return explicit, {a.agent_id: a.allocations for a in toml.agents if a.agent_id in named}
+    return [(a.scratch_root, a.agent_id) for a in toml.agents], {a.agent_id: a.allocations for a in toml.agents}
+
+
+def _root_owners(pairs: list[tuple[str, str]], roots: list[str], agents: tuple[str, ...]) -> dict[str, str]:
+    """Root -> the one agent writing there; a root shared by several agents has none."""
+    if len(agents) == 1:  # one agent: every root is its own
+        return dict.fromkeys(roots, agents[0])
+    by_root: dict[str, set[str]] = {}
+    for root, agent_id in pairs:
+        by_root.setdefault(root, set()).add(agent_id)
+    return {r: next(iter(ids)) for r, ids in by_root.items() if len(ids) == 1 and r in roots}
+
+
+def _bindings(items: list[str]) -> list[tuple[str, str]]:
+    out = []
+    for item in items:
+        root, sep, agent_id = item.rpartition("=")
+        if not sep or not root or not agent_id.strip() or any(c.isspace() for c in agent_id):
+            raise ConfigError(f"--scratch.agent expects ROOT=AGENT_ID, got {item!r}")
+        if not Path(root).is_absolute():
+            raise ConfigError(f"--scratch.agent root {root!r} must be an absolute path")
+        out.append((str(Path(root)), agent_id))
+    return out

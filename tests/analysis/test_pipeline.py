@@ -1,0 +1,180 @@
+"""The analysis pipeline on its own: a real allocation book and telemetry snapshots in, one read
+model out per change, without an exporter, a watcher or a sampler."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from decimal import Decimal
+from pathlib import Path
+
+from exporter.analysis.accounting import Accountant
+from exporter.analysis.node import HeadroomParams
+from exporter.analysis.pipeline import AnalysisPipeline, PipelineConfig, analyse
+from exporter.scratch.allocation import AllocationBook
+from exporter.scratch.resources import parse_resource
+from exporter.telemetry.model import DeviceReading, TelemetrySnapshot
+
+GiB = 1024**3
+CID = "3b9e1c0d5f2a4e6b8c7d9f0a1b2c3d4e5f60718293a4b5c6d7e8f90a1b2c3d4e"
+
+
+def resource(shares: str) -> str:
+    total = sum(Decimal(e.split(":")[1]) for e in shares.split(","))
+    return (f'SCRATCH_SIZE=0m\nMOUNTS=\nSLOTS={{"cuda.shares":"{total}"}}\n'
+            f"CUDA.SHARES_SHARES={shares}\nCID={CID}\n")
+
+
+def snapshot(*uuids: str) -> TelemetrySnapshot:
+    devices = tuple(DeviceReading(uuid=u, index=i, name="NVIDIA A100-SXM4-40GB", memory_total_bytes=40 * GiB,
+                                  multiprocessor_count=108) for i, u in enumerate(uuids))
+    return TelemetrySnapshot(source="nvml", devices=devices, success=True)
+
+
+class Telemetry:
+    """What the sampler publishes: (version, snapshot), replaced as a pair."""
+
+    def __init__(self, snap: TelemetrySnapshot) -> None:
+        self.published = (1, snap)
+
+    def publish(self, snap: TelemetrySnapshot) -> None:
+        self.published = (self.published[0] + 1, snap)
+
+    def __call__(self) -> tuple[int, TelemetrySnapshot]:
+        return self.published
+
+
+class Clock:
+    now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def pipeline(book: AllocationBook, telemetry: Telemetry, clock: Clock | None = None, **config) -> AnalysisPipeline:
+    clock = clock or Clock()
+    return AnalysisPipeline(PipelineConfig(params=HeadroomParams(mode="fractional"), interval=5.0, **config), book.view,
+                            telemetry, accountant=Accountant(clock), clock=clock, monotonic=clock)
+
+
+def headroom(model) -> Decimal:
+    return model.headroom.summaries["cuda.shares"].headroom
+
+
+def test_a_kernel_change_reaches_headroom_in_one_pass_without_a_sample() -> None:
+    book, telemetry = AllocationBook(clock=lambda: 0.0), Telemetry(snapshot("GPU-a", "GPU-b"))
+    p = pipeline(book, telemetry)
+    first = p.step()
+    assert headroom(first) == 27  # two empty GPUs of 13.5 shares
+    book.apply("k1", "/scratch", parse_resource(resource("GPU-a:4")))
+    second = p._pass(full=False)
+    assert second.view.version == book.version and second.version == first.version + 1
+    assert headroom(second) == 23
+    assert second.headroom_version == first.headroom_version + 1
+    assert second.usage_version == first.usage_version  # no sample, no interval: attribution waits
+    book.apply("k2", "/scratch", parse_resource(resource("GPU-a:1")))
+    third = p._pass(full=False)
+    assert headroom(third) == 22
+    assert third.resolver is second.resolver  # same snapshot, same GPU ids: the join is kept
+
+
+def test_a_wake_with_nothing_new_publishes_nothing() -> None:
+    book, telemetry = AllocationBook(clock=lambda: 0.0), Telemetry(snapshot("GPU-a"))
+    p = pipeline(book, telemetry)
+    first = p.step()
+    assert p._pass(full=False) is first
+
+
+def test_a_sample_with_the_same_devices_keeps_the_headroom() -> None:
+    book, telemetry = AllocationBook(clock=lambda: 0.0), Telemetry(snapshot("GPU-a"))
+    p = pipeline(book, telemetry)
+    first = p.step()
+    telemetry.publish(snapshot("GPU-a"))
+    second = p._pass(full=False)
+    assert second.sample_version == 2 and second.usage_version == first.usage_version + 1
+    assert second.headroom_version == first.headroom_version  # inventory equal: figures kept
+    assert second.headroom is first.headroom
+    telemetry.publish(snapshot("GPU-a", "GPU-b"))  # a GPU appears: the inventory moved
+    third = p._pass(full=False)
+    assert third.headroom_version == second.headroom_version + 1 and headroom(third) == 27
+
+
+def test_the_interval_runs_usage_without_a_sample() -> None:
+    clock = Clock()
+    book, telemetry = AllocationBook(clock=lambda: 0.0), Telemetry(snapshot("GPU-a"))
+    p = pipeline(book, telemetry, clock)
+    first = p.step()
+    clock.now += 5.0
+    assert p._pass(full=False).usage_version == first.usage_version + 1
+
+
+def test_one_name_two_spellings_and_unknown_ids_are_judged_once() -> None:
+    book, telemetry = AllocationBook(clock=lambda: 0.0), Telemetry(snapshot("GPU-a"))
+    book.apply("k1", "/scratch", parse_resource(resource("GPU-a:1,GPU-zz:2")))
+    model = pipeline(book, telemetry).step()
+    assert model.unknown_devices == {("GPU-zz", "cuda.shares"): Decimal(2)}
+    assert analyse(book.view()).unknown_devices is None  # no inventory: nothing can be judged
+
+
+def test_stale_kernels_leave_headroom_and_are_logged_once(tmp_path: Path, caplog) -> None:
+    cgroup = tmp_path / "cgroup"
+    (cgroup / "system.slice").mkdir(parents=True)
+    (cgroup / "cgroup.controllers").write_text("cpu memory pids\n")
+    clock = Clock()
+    book, telemetry = AllocationBook(clock=clock), Telemetry(snapshot("GPU-a"))
+    book.apply("k1", "/scratch", parse_resource(resource("GPU-a:4")))
+    p = pipeline(book, telemetry, clock, cgroupfs=cgroup, stale_grace=0.0)
+    clock.now += 60
+    with caplog.at_level(logging.INFO, logger="exporter.analysis.pipeline"):
+        model = p.step()
+        clock.now += 60
+        again = p.step()
+    assert model.liveness["k1"].status.value == "stale"
+    assert headroom(model) == Decimal("13.5") and model.state.stale == {("GPU-a", "cuda.shares"): Decimal(4)}
+    assert again.liveness is model.liveness and again.liveness_version == model.liveness_version
+    assert sum("kernel(s) stale" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_failing_stage_leaves_the_rest_published(caplog) -> None:
+    class Broken(Accountant):
+        def update(self, *args, **kwargs):
+            raise RuntimeError("injected")
+
+    book, telemetry = AllocationBook(clock=lambda: 0.0), Telemetry(snapshot("GPU-a"))
+    p = AnalysisPipeline(PipelineConfig(), book.view, telemetry, accountant=Broken())
+    model = p.step()
+    assert model.accounting is None and model.headroom.summaries
+    assert "GPU accounting failed" in caplog.text
+
+
+def test_the_thread_follows_the_book_and_leaves_nothing_behind() -> None:
+    book, telemetry = AllocationBook(clock=lambda: 0.0), Telemetry(snapshot("GPU-a"))
+    p = AnalysisPipeline(PipelineConfig(params=HeadroomParams(mode="fractional"), interval=3600), book.view, telemetry)
+    book.subscribe(p.poke)
+    p.step()
+    published = threading.Event()
+    p.start(first=published.set)
+    try:
+        assert published.wait(5)
+        book.apply("k1", "/scratch", parse_resource(resource("GPU-a:4")))
+        for _ in range(500):
+            if p.current.view.version == book.version:
+                break
+            threading.Event().wait(0.01)
+        assert headroom(p.current) == Decimal("9.5")
+    finally:
+        p.close()
+    assert not [t for t in threading.enumerate() if t.name == "analysis"]
+
+
+def test_what_if_names_the_parameter() -> None:
+    book = AllocationBook(clock=lambda: 0.0)
+    model = analyse(book.view(), snapshot("GPU-a"), HeadroomParams(mode="fractional"))
+    assert model.what_if("cuda.shares=2")["placed"] is True
+    for request, policy, name in (("cuda.shares=x", "evenly", "parameter request:"), ("cuda.shares=1", "nope", "parameter policy:")):
+        try:
+            model.what_if(request, policy)
+        except ValueError as exc:
+            assert str(exc).startswith(name)
+        else:
+            raise AssertionError("accepted")
