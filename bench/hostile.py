@@ -10,10 +10,14 @@ Scenarios (each reports medians; node_exporter runs the same client in the same 
   loop, and how long one ``simulate`` request with ``cuda.shares=1e999999`` takes;
 * ``noread``: 300 clients ask for /api/v1/state at 2,000 kernels and never read; RSS before, at
   the peak, and 5 s after they left;
+* ``noread_metrics``: 300, then 1,000 clients ask for /metrics at 10,000 kernels (plain, then
+  gzip) with a 1 KiB receive buffer and never read: RSS before, at the peak and after, how many
+  were answered 503, and a reading scrape meanwhile; node_exporter gets the same clients;
 * ``flood``: silent TCP connects as fast as 4 threads can make them for 10 s while a scraper asks
   for /metrics on a fresh connection every 100 ms: answers and their p50/p99;
 * ``password``: right after a start, 16 threads guess passwords from 127.0.0.2 while a scraper
-  with the right password asks once a second from 127.0.0.1, 18 times: how many got in.
+  with the right password asks once a second from 127.0.0.1, 18 times: how many got in;
+* ``password_own``: the same with 64 guessing threads on the scraper's own address, 127.0.0.1.
 
 Prints one JSON document; exits 0.
 """
@@ -157,6 +161,72 @@ def scenario_noread(tmp: Path, clients: int = 300) -> dict:
         ex.stop()
 
 
+def never_read_metrics(port: int, pid: int, clients: int, gzipped: bool, hold: float = 8.0) -> dict:
+    """``clients`` connections that each ask for /metrics with a 1 KiB receive buffer and never
+    read, held ``hold`` seconds: the server's RSS before, at the peak and 5 s after they left."""
+    request = b"GET /metrics HTTP/1.1\r\nHost: x\r\n" + (b"Accept-Encoding: gzip\r\n" if gzipped else b"") + b"\r\n"
+    before = peak = proc_rss_bytes(pid)
+    socks, failed = [], 0
+    for _ in range(clients):
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)  # before connect: the window stays tiny
+        try:
+            s.connect(("127.0.0.1", port))
+            s.sendall(request)
+        except OSError:
+            failed += 1
+            s.close()
+            continue
+        socks.append(s)
+        peak = max(peak, proc_rss_bytes(pid))
+    end = time.monotonic() + hold
+    while time.monotonic() < end:
+        peak = max(peak, proc_rss_bytes(pid))
+        time.sleep(0.1)
+    headers = {"Accept-Encoding": "gzip"} if gzipped else {}
+    status, seconds = fetch(port, headers=headers)
+    outcomes = {"200": 0, "503": 0, "closed unanswered": 0, "nothing yet": 0}
+    for s in socks:  # what each client has been sent, as far as its tiny buffer shows
+        s.setblocking(False)
+        try:
+            head = s.recv(16)
+            outcome = "200" if head.startswith(b"HTTP/1.1 200") else "503" if head.startswith(b"HTTP/1.1 503") else "closed unanswered"
+        except BlockingIOError:
+            outcome = "nothing yet"
+        except OSError:
+            outcome = "closed unanswered"
+        outcomes[outcome] += 1
+        s.close()
+    time.sleep(5)
+    mib = 1 << 20
+    return {"clients": clients, "gzip": gzipped, "rss_before_mib": round(before / mib, 1),
+            "rss_peak_mib": round(peak / mib, 1), "rss_after_mib": round(proc_rss_bytes(pid) / mib, 1),
+            "outcomes": outcomes, "connect_failed": failed, "scrape_meanwhile": {"status": status, "ms": round(seconds * 1000, 1)}}
+
+
+def scenario_noread_metrics(tmp: Path) -> dict:
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # 1,000 client sockets in this process
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4096)), hard))
+    root = tmp / "noread_metrics"
+    build_tree(root, 10_000)
+    cases = [(300, False), (300, True), (1000, False), (1000, True)]
+    ex = ExporterProcess(root)
+    try:
+        fetch(ex.port)
+        fetch(ex.port, headers={"Accept-Encoding": "gzip"})
+        ours = [never_read_metrics(ex.port, ex.pid, clients, gz) for clients, gz in cases]
+    finally:
+        ex.stop()
+    ne = NodeExporter()
+    try:
+        theirs = [never_read_metrics(ne.port, ne.proc.pid, clients, gz) for clients, gz in cases]
+    finally:
+        ne.stop()
+    return {"exporter": ours, "node_exporter": theirs}
+
+
 def flood(port: int, seconds: float = 10.0, threads: int = 4) -> dict:
     stop = threading.Event()
     connects = [0]
@@ -212,7 +282,7 @@ def scenario_flood(tmp: Path) -> dict:
     return {"exporter": ours, "node_exporter": theirs}
 
 
-def password(port: int, tries: int = 18, guessers: int = 16) -> dict:
+def password(port: int, tries: int = 18, guessers: int = 16, guess_from: str = "127.0.0.2") -> dict:
     stop = threading.Event()
     guesses = [0]
 
@@ -220,7 +290,7 @@ def password(port: int, tries: int = 18, guessers: int = 16) -> dict:
         i = 0
         while not stop.is_set():
             token = base64.b64encode(f"prometheus:guess-{n}-{i}".encode()).decode()
-            fetch(port, headers={"Authorization": f"Basic {token}"}, source="127.0.0.2", timeout=10)
+            fetch(port, headers={"Authorization": f"Basic {token}"}, source=guess_from, timeout=10)
             guesses[0] += 1
             i += 1
 
@@ -242,12 +312,12 @@ def password(port: int, tries: int = 18, guessers: int = 16) -> dict:
             **{k: v for k, v in summary(times).items() if k != "n"}}
 
 
-def scenario_password(tmp: Path) -> dict:
+def scenario_password(tmp: Path, guessers: int = 16, guess_from: str = "127.0.0.2") -> dict:
     import bcrypt
 
     config = tmp / "web.yml"
     config.write_text(f"basic_auth_users:\n  prometheus: {bcrypt.hashpw(b's3cret', bcrypt.gensalt(10)).decode()}\n")
-    root = tmp / "password"
+    root = tmp / ("password" if guess_from == "127.0.0.2" else "password_own")
     build_tree(root, 100)
     ex = ExporterProcess(root, "--web.config.file", str(config), wait_ready=False)
     try:
@@ -256,18 +326,23 @@ def scenario_password(tmp: Path) -> dict:
             if time.monotonic() > deadline:
                 raise RuntimeError("exporter did not start")
             time.sleep(0.05)
-        ours = password(ex.port)
+        ours = password(ex.port, guessers=guessers, guess_from=guess_from)
     finally:
         ex.stop()
     ne = NodeExporter(f"--web.config.file={config}")
     try:
-        theirs = password(ne.port)
+        theirs = password(ne.port, guessers=guessers, guess_from=guess_from)
     finally:
         ne.stop()
     return {"exporter": ours, "node_exporter": theirs}
 
 
-SCENARIOS = {"slow": scenario_slow, "noread": scenario_noread, "flood": scenario_flood, "password": scenario_password}
+def scenario_password_own(tmp: Path) -> dict:
+    return scenario_password(tmp, guessers=64, guess_from="127.0.0.1")
+
+
+SCENARIOS = {"slow": scenario_slow, "noread": scenario_noread, "noread_metrics": scenario_noread_metrics,
+             "flood": scenario_flood, "password": scenario_password, "password_own": scenario_password_own}
 
 
 def main(argv: list[str] | None = None) -> int:

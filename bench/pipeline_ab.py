@@ -8,8 +8,8 @@ Each stage alternates the two checkouts' exporters (fresh processes on one 10,00
 
 a. cold start: spawn -> ``READY=1``, ``--starts`` times each, alternated; the medians.
 b. change -> headroom: a kernel's ``resource.txt`` rewritten, then ``/api/v1/simulate`` asked until
-   the headroom it starts from has moved (what headroom figures and ``request_fits`` read);
-   and change -> ``/api/v1/alloc-map``; p50/p99 of ``--trials`` changes.
+   the node state it places on (the one headroom figures and ``request_fits`` are computed from)
+   holds the new amount on that GPU; and change -> ``/api/v1/alloc-map``; p50/p99 of ``--trials``.
 c. the first ``/metrics`` scrape after each change (gzip, as Prometheus asks): p50/p99, beside
    node_exporter's median scrape in the same run.
 d. idle CPU: ``--idle`` seconds, a scrape every 15 s, percent of one core.
@@ -53,13 +53,15 @@ def cold_starts(root: Path, repos: dict[str, Path | None], runs: int) -> dict[st
     return out
 
 
-def headroom_of(client: Timed) -> str:
+def allocated_on(client: Timed, device: str) -> Decimal:
+    """What the node state that headroom and request_fits are computed from holds on ``device``."""
     body = client.get("/api/v1/simulate?request=cuda.shares=0.01&policy=evenly")[2]
-    return json.loads(body)["headroom"]["before"]["headroom"]
+    return next(Decimal(d["allocated"]) for d in json.loads(body)["devices"] if d["device_id"] == device)
 
 
 def changes(ex: ExporterProcess, root: Path, truth: dict, trials: int, seed: int) -> dict[str, list[float]]:
-    """Per change: seconds until headroom moved, until the alloc map moved, and the first scrape."""
+    """Per change: seconds until the node state behind headroom holds it, until the alloc map
+    does, and the first scrape after both."""
     rng = random.Random(seed)
     ids = sorted(truth)
     plain, scrape = Timed(ex.port, headers={}), Timed(ex.port)
@@ -70,23 +72,22 @@ def changes(ex: ExporterProcess, root: Path, truth: dict, trials: int, seed: int
             time.sleep(rng.uniform(0.005, 0.02))  # decorrelate from any periodic work
             kid = ids[rng.randrange(len(ids))]
             device = GPUS[i % len(GPUS)]
-            # A whole share more or less on one GPU: the node's headroom moves by it.
-            held = sum(truth[kid].values(), Decimal(0))
-            new = {device: Decimal("0.5") if held > 1 else Decimal(2)}
-            room, amap = headroom_of(plain), plain.get("/api/v1/alloc-map")[2]
+            new = {device: Decimal(rng.randint(1, 100)) / 100}
+            if truth[kid] == new:
+                new = {device: new[device] + Decimal("0.01")}
+            truth[kid] = new
+            want = sum((a.get(device, Decimal(0)) for a in truth.values()), Decimal(0))
             t0 = time.perf_counter()
             (root / kid / "config" / "resource.txt").write_text(resource_text(new))
-            seen_map = seen_room = None
-            while seen_map is None or seen_room is None:
-                now = time.perf_counter()
-                if now - t0 > 10:
+            seen_map = seen_state = None
+            while seen_map is None or seen_state is None:
+                if time.perf_counter() - t0 > 10:
                     raise RuntimeError(f"change of {kid} not visible after 10 s")
-                if seen_room is None and headroom_of(plain) != room:
-                    seen_room = time.perf_counter() - t0
-                if seen_map is None and plain.get("/api/v1/alloc-map")[2] != amap:
+                if seen_state is None and allocated_on(plain, device) == want:
+                    seen_state = time.perf_counter() - t0
+                if seen_map is None and Decimal(json.loads(plain.get("/api/v1/alloc-map")[2]).get(device, "0")) == want:
                     seen_map = time.perf_counter() - t0
-            truth[kid] = new
-            out["headroom"].append(seen_room)
+            out["headroom"].append(seen_state)
             out["alloc_map"].append(seen_map)
             out["first_scrape"].append(scrape.get()[0])
     finally:

@@ -4,7 +4,8 @@
     python bench/start_phases.py --compare /tmp/before    # alternated with a worktree of another revision
 
 Each start is a fresh ``python -m exporter`` (``--telemetry.source none``) whose ``Exporter.start``,
-``ScratchWatcher.start`` (the first scan) and ``Exporter._analyse`` are wrapped in timers; it exits
+``ScratchWatcher.start`` (the first scan) and the first analysis pass (``AnalysisPipeline.step``, or
+``Exporter._analyse`` in a checkout from before the pipeline) are wrapped in timers; it exits
 at ``READY=1``. Prints one line per start (milliseconds since the interpreter started the script:
 imports done, scan, first analysis, ready) and the medians. The tree is built once, written back
 to disk, and the bytecode of each checkout compiled first, as ``bench/scale.py`` does.
@@ -41,7 +42,11 @@ def timed(cls, name, key):
     setattr(cls, name, g)
 
 timed(watcher.ScratchWatcher, "start", "scan")
-timed(app.Exporter, "_analyse", "analysis")
+try:
+    from exporter.analysis.pipeline import AnalysisPipeline
+    timed(AnalysisPipeline, "step", "analysis")
+except ImportError:  # a checkout from before the pipeline
+    timed(app.Exporter, "_analyse", "analysis")
 
 def notify(message):
     if "READY=1" in message:

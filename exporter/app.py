@@ -21,13 +21,17 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from exporter.analysis.accounting import Accountant
 from exporter.analysis.attribution import AttributionTracker, ProcFS
+from exporter.analysis.ghost import GhostTracker
+from exporter.analysis.health import HealthStore, HealthTracker, parse_boot_id
 from exporter.analysis.model import Analysis
 from exporter.analysis.pipeline import AnalysisPipeline, PipelineConfig
 from exporter.config import Config
+from exporter.files import FileReadError, read_text
 from exporter.metrics.collectors import Inputs, SeriesOptions
 from exporter.metrics.status import Health
 from exporter.scratch.allocation import AllocationBook
@@ -55,10 +59,10 @@ def _pin_mmap_threshold() -> None:
     """Keep glibc's malloc from raising its mmap threshold, so large blocks go back to the system.
 
     glibc serves blocks of at least the threshold with their own mapping, unmapped when freed, but
-    raises the threshold to the size of each such block freed (up to 32 MiB): after the first
-    ~5 MB exposition at 10,000 kernels is replaced, later ones come from the heap, whose freed
-    pages stay resident (+4 MiB idle, +13 MiB after a few changes at 10,000 kernels). Setting the
-    threshold turns the raise off. Skipped where an operator set ``MALLOC_MMAP_THRESHOLD_``
+    raises the threshold to the size of each such block freed (up to 32 MiB): once the first large
+    exposition (above the initial threshold, below that cap) is replaced, later ones come from the
+    heap, whose freed pages stay resident: the idle RSS grows, and more with each change. Setting
+    the threshold turns the raise off. Skipped where an operator set ``MALLOC_MMAP_THRESHOLD_``
     (glibc then uses theirs) and where the C library has no ``mallopt``.
     """
     if "MALLOC_MMAP_THRESHOLD_" in os.environ:
@@ -70,8 +74,8 @@ def _pin_mmap_threshold() -> None:
 
 class _Exposition:
     """The metrics collector, built on first use: the analysis thread builds it right after
-    readiness, so prometheus_client and the renderer (~60 ms of imports) are part of neither the
-    start nor the first scrape."""
+    readiness, so the imports of prometheus_client and the renderer, a large part of a start's,
+    are part of neither the start nor the first scrape."""
 
     def __init__(self, inputs: Inputs, enabled: dict[str, bool], clock: Callable[[], float]) -> None:
         self._inputs, self._enabled, self._clock = inputs, enabled, clock
@@ -99,6 +103,15 @@ class _Exposition:
         """The current exposition if nothing has to be rendered for it, else None (never waits)."""
         collector = self._collector
         return collector.render_cached(gzipped) if collector is not None else None
+
+
+def _boot_id(path: Path) -> str | None:
+    """This boot's id, or None where the file cannot be read (then a reboot cannot be told)."""
+    try:
+        return parse_boot_id(read_text(path, 256))
+    except FileReadError as exc:
+        log.warning("boot id %s; latched GPU faults survive reboots", exc)
+        return None
 
 
 class Exporter:
@@ -139,16 +152,20 @@ class Exporter:
         self.scanner = Scanner(self.book, s.scratch_max_file_bytes)
         self.watcher = ScratchWatcher(self.scanner, list(self.layout.roots), mode=s.scratch_watch_mode,
                                       rescan_interval=s.scratch_rescan_interval, poll_interval=s.scratch_poll_interval, clock=clock)
-        stages = PipelineConfig(self.params, self.layout, s.device_id_scheme, s.telemetry_interval, s.path_cgroupfs, s.stale_grace)
-        tracker = AttributionTracker(ProcFS(str(s.path_procfs)), monotonic, idle_threshold_ratio=s.attribution_idle_threshold_ratio)
+        stages = PipelineConfig(self.params, self.layout, s.device_id_scheme, s.telemetry_interval, s.path_cgroupfs, s.stale_grace,
+                                shapes=config.shapes)
+        procfs = ProcFS(str(s.path_procfs))
+        tracker = AttributionTracker(procfs, monotonic, idle_threshold_ratio=s.attribution_idle_threshold_ratio)
+        health = HealthTracker(HealthStore(config.health_state_file), _boot_id(config.boot_id_file), clock)
         self.pipeline = AnalysisPipeline(stages, self.book.view, self._published, tracker=tracker,
-                                         accountant=Accountant(monotonic), clock=clock, monotonic=monotonic)
+                                         accountant=Accountant(monotonic), ghost=GhostTracker(procfs), health=health,
+                                         clock=clock, monotonic=monotonic)
         self.book.subscribe(self.pipeline.poke)
         self._ready = threading.Event()
         # Opt-in identity from the kernel containers' Docker labels (agents before 25.18).
         self._labels = None
         if s.identity_docker_socket is not None:
-            from exporter.scratch.containers import DockerLabels  # http.client: ~10 ms of a start without it
+            from exporter.scratch.containers import DockerLabels  # here: http.client only when enabled
 
             self._labels = DockerLabels(str(s.identity_docker_socket))
         self._labels_health = Health(False)

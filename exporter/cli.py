@@ -315,8 +315,7 @@ def serve(config: Config, *, allow_missing_root: bool = False, on_ready=None, st
     # A thread that wants the GIL waits until its holder has run this long: with CPython's 5 ms,
     # each system call of a /metrics request (wake-up, read, write) could wait 5 ms behind a worker
     # building a JSON document; 0.5 ms bounds that wait at the cost of more frequent switches
-    # between busy threads (at 10,000 kernels, /metrics p50 during a /api/v1/state loop went
-    # from 13 ms to 6 ms; BENCHMARKS.md h).
+    # between busy threads, which keeps /metrics fast while a client polls /api/v1/state.
     sys.setswitchinterval(_SWITCH_INTERVAL_SECONDS)
     stop = stop or threading.Event()
     if threading.current_thread() is threading.main_thread():

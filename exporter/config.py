@@ -35,8 +35,9 @@ from typing import TYPE_CHECKING
 from exporter.analysis.agents import AgentLayout
 from exporter.analysis.capacity import CapacityConfig
 from exporter.analysis.node import DEFAULT_REQUESTS, HeadroomParams
-from exporter.analysis.placement import NoFragRule
+from exporter.analysis.placement import DEFAULT_AFFINITY, AffinityPolicy, NoFragRule
 from exporter.analysis.placement import Request as PlacementRequest
+from exporter.analysis.shapes import DEFAULT_SHAPES, Shape
 from exporter.scratch.agent_config import AgentConfigError, AgentToml, parse_agent_config
 from exporter.settings import ConfigError, Settings, optional_file, read_config_text
 from exporter.telemetry.mig import parse_hami_geometries
@@ -45,7 +46,7 @@ from exporter.units import bounded, parse_decimal
 if TYPE_CHECKING:
     from exporter.web.webconfig import WebConfigFile
 
-__all__ = ["DEFAULT_AGENT_CONFIG", "Config", "agent_layout", "check_roots", "headroom_params", "resolve"]
+__all__ = ["DEFAULT_AGENT_CONFIG", "Config", "agent_layout", "check_roots", "fleet_shapes", "headroom_params", "resolve"]
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,7 @@ class Config:
     :param headroom: capacity, reference requests, fragmentation rule, MIG geometries.
     :param collectors: collector name -> on/off, for those switched explicitly.
     :param web: the web config (TLS, basic auth), loaded and checked; None without one.
+    :param shapes: the request shapes judged per node (``--fleet.shape``).
     """
 
     settings: Settings
@@ -72,6 +74,17 @@ class Config:
     headroom: HeadroomParams
     collectors: Mapping[str, bool] = field(default_factory=dict)
     web: WebConfigFile | None = None
+    shapes: tuple[Shape, ...] = DEFAULT_SHAPES  # --fleet.shape
+
+    @property
+    def health_state_file(self) -> Path:
+        """Where latched GPU faults are kept (``--health.state-file``)."""
+        return self.settings.health_state_file
+
+    @property
+    def boot_id_file(self) -> Path:
+        """The host's boot id, under the host procfs (``--path.procfs``): a new one clears latches."""
+        return Path(self.settings.path_procfs) / "sys" / "kernel" / "random" / "boot_id"
 
 
 def resolve(
@@ -91,15 +104,15 @@ def resolve(
     :param web: load ``--web.config.file`` (only a server needs it).
     :raises ConfigError: one line naming the flag or file and the reason.
     """
-    headroom = headroom_params(settings)
     path = settings.agent_config_file or (optional_file(agent_config, "--agent.config") if agent_config else None)
     text = read_config_text(path, "--agent.config") if path is not None else None
     layout = agent_layout(settings, text, str(path) if path else None, hostname or socket.gethostname())
     if layout.source:
         log.info("agents from %s: %s", layout.source, ", ".join(layout.agents) or "none")
+    headroom = headroom_params(settings, layout.affinity_policy)
     settings = dataclasses.replace(settings, scratch_roots=[Path(r) for r in layout.roots])
     return Config(settings, layout, headroom, MappingProxyType(_collectors(collectors or {})),
-                  _web_config(settings) if web else None)
+                  _web_config(settings) if web else None, shapes=fleet_shapes(settings.fleet_shapes))
 
 
 def _collectors(switches: Mapping[str, bool]) -> dict[str, bool]:
@@ -152,8 +165,9 @@ def _cut(text: str, limit: int = 80) -> str:
     return text if len(text) <= limit else text[:limit] + "…"
 
 
-def headroom_params(settings: Settings) -> HeadroomParams:
-    """Headroom settings from the flags; raises ConfigError naming the flag (or file) and the reason."""
+def headroom_params(settings: Settings, affinity: str | None = None) -> HeadroomParams:
+    """Headroom settings from the flags and agent.toml's ``affinity-policy`` (None: the agent's
+    default); raises ConfigError naming the flag (or file) and the reason."""
     return HeadroomParams(
         capacity=CapacityConfig(
             unit_mem_bytes=settings.capacity_unit_mem, unit_proc=settings.capacity_unit_proc,
@@ -164,6 +178,7 @@ def headroom_params(settings: Settings) -> HeadroomParams:
         requests=_requests(settings.headroom_requests) or DEFAULT_REQUESTS,
         exclude_stale=settings.headroom_exclude_stale,
         hami=_hami(settings.mig_geometries_file),
+        affinity=AffinityPolicy(affinity) if affinity else DEFAULT_AFFINITY,
     )
 
 
@@ -192,6 +207,21 @@ def _requests(items: list[str]) -> tuple[PlacementRequest, ...]:
             raise ConfigError(f"--headroom.request {_cut(item)!r}: {exc}") from None
         requests.append(request)
     return tuple(requests)
+
+
+def fleet_shapes(items: list[str]) -> tuple[Shape, ...]:
+    """``--fleet.shape`` values, or the default shapes when none is given; raises ConfigError
+    naming the flag, the value and the reason (a repeated name too)."""
+    shapes: dict[str, Shape] = {}
+    for item in items:
+        try:
+            shape = Shape.parse(item)
+        except ValueError as exc:
+            raise ConfigError(f"--fleet.shape {_cut(item)!r}: {exc}") from None
+        if shape.name in shapes:
+            raise ConfigError(f"--fleet.shape {_cut(item)!r}: shape {shape.name} is given twice")
+        shapes[shape.name] = shape
+    return tuple(shapes.values()) or DEFAULT_SHAPES
 
 
 def _hami(path: Path | None) -> tuple:
@@ -243,6 +273,7 @@ def agent_layout(settings: Settings, agent_toml: str | None, source: str | None,
         allocation_mode=toml.allocation_mode if toml else "shared",
         allocations=MappingProxyType(allocations),
         source=source if toml else None,
+        affinity_policy=toml.affinity_policy if toml else None,
     )
 
 

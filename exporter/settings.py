@@ -8,7 +8,8 @@ from :data:`FIELDS`, so a new setting needs no CLI code. A changed copy is
 ``dataclasses.replace(settings, ...)``; :attr:`Settings.given` says which were set explicitly.
 
 Plain dataclasses and a small coercion layer (:meth:`Setting.coerce`) rather than pydantic: that
-import alone cost ~19 MiB and ~0.2 s of a start that must stay under 1 s and 60 MiB. The coercion
+import alone took a large share of the memory and time of a start that must stay under 1 s and
+60 MiB. The coercion
 follows pydantic's lax rules (``"yes"`` is true, ``"2.0"`` is the integer 2, ``"nan"`` is no
 decimal) and its wording, which the docs and the tests quote.
 """
@@ -153,6 +154,11 @@ class Settings:
     path_cgroupfs: Annotated[Path, Setting(
         "--path.cgroupfs", "host cgroup tree, to tell live kernels from stale scratch directories",
     )] = Path("/sys/fs/cgroup")
+    health_state_file: Annotated[Path, Setting(
+        "--health.state-file",
+        "file that keeps latched GPU faults across restarts until a reset, driver reload or reboot; "
+        "written atomically, at most 64 KiB; an unreadable or unwritable file is logged once and latches stay in memory",
+    )] = Path("/var/lib/gpu-alloc-exporter/health.json")
     attribution_process_detail: Annotated[bool, Setting(
         "--attribution.process-detail", "add per-process series with a pid label (raises cardinality)",
     )] = False
@@ -187,12 +193,20 @@ class Settings:
     headroom_mode: Annotated[Literal["auto", "fractional", "discrete"], Setting(
         "--headroom.mode", "whether whole GPUs are handed out as cuda.shares or cuda.device",
     )] = "auto"
-    headroom_nofrag_rule: Annotated[Literal["26.4", "before-26.4"], Setting(
-        "--headroom.nofrag-rule", "the agent's fragmentation guard for the 'disallowed' figures",
-    )] = "26.4"
+    headroom_nofrag_rule: Annotated[Literal["26.9", "26.4", "before-26.4"], Setting(
+        "--headroom.nofrag-rule",
+        "the agent release whose fractional allocator and fragmentation guard headroom and simulate follow: "
+        "26.9 (26.9.0+), 26.4 (26.4.0-26.8.x) or before-26.4",
+    )] = "26.9"
     headroom_requests: Annotated[list[str], Setting(
         "--headroom.request",
         "reference request SLOT=AMOUNT for gpu_alloc_request_fits; repeatable (default: shares 0.5,1,2,4 and 1,2,4 GPUs)",
+        repeat=True,
+    )] = field(default_factory=list)
+    fleet_shapes: Annotated[list[str], Setting(
+        "--fleet.shape",
+        "request shape NAME=SLOT:AMOUNT,... (one accelerator slot; cpu, mem) judged for gpu_alloc_node_request_placeable; "
+        "repeatable (default: fgpu-0.5, fgpu-1, fgpu-2, fgpu-4, fgpu-8 with 4 CPU cores and 16g per fGPU)",
         repeat=True,
     )] = field(default_factory=list)
     headroom_exclude_stale: Annotated[bool, Setting(
@@ -445,7 +459,7 @@ def load_config_file(path: Path) -> dict[str, Any]:
     text = read_config_text(path, "--config.file")
     import tomllib
 
-    import yaml  # here: PyYAML costs ~20 ms of every start without a config file (tomllib ~4 ms)
+    import yaml  # here, as tomllib: a start without a config file need not pay for either import
 
     try:
         data = tomllib.loads(text) if path.suffix == ".toml" else yaml.safe_load(text)

@@ -1,4 +1,11 @@
-"""Shared fixtures: no leaked threads, a scratch-tree builder, golden-file updates."""
+"""Shared fixtures: no leaked threads, golden-file updates, and the one gate for the Debian tools
+the tests run (promtool, Prometheus, Alertmanager, node_exporter, VictoriaMetrics).
+
+A test that needs a tool says so with ``@pytest.mark.tools("promtool", ...)``. Where a tool is
+missing the test is skipped, loudly (each skip names the tool and its Debian package, and the run
+ends with a list); where ``GPU_ALLOC_EXPORTER_TEST_REQUIRE_TOOLS=1`` is set, as ``scripts/test``
+(and so CI) sets it, a missing tool fails the test instead: nothing skips there.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +14,23 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import SKIPPED_FOR_TOOLS, require_tool
 
 FIXTURES = Path(__file__).parent / "fixtures"
 GOLDEN = Path(__file__).parent / "golden"
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    for mark in item.iter_markers("tools"):
+        for tool in mark.args:
+            require_tool(tool, item.nodeid)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if SKIPPED_FOR_TOOLS:
+        terminalreporter.section(f"{len(SKIPPED_FOR_TOOLS)} test(s) skipped for a missing tool", sep="!")
+        for line in SKIPPED_FOR_TOOLS:
+            terminalreporter.write_line(line)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

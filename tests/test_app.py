@@ -141,3 +141,43 @@ def test_the_start_pauses_the_cyclic_collector_and_hands_the_metrics_to_the_anal
         assert "prometheus_client" in sys.modules and b"gpu_alloc_kernel_info" in exporter.render()
     finally:
         exporter.close()
+
+
+# What a start must not load before readiness: each costs tens of ms (or MiB) of a start that must
+# stay under 1 s at 10,000 kernels, and none is needed before the first scrape. prometheus_client
+# and the renderer load on the analysis thread right after readiness; the others only when used.
+NOT_BEFORE_READY = (
+    "prometheus_client",  # the collector is built after readiness
+    "exporter.metrics.registry",
+    "pydantic",  # only with --web.config.file
+    "yaml",  # only with a YAML config file or MIG geometries
+    "tomllib",  # only with a TOML file
+    "http.client",  # only with --identity.docker-socket
+    "exporter.telemetry.nvml.simulated",  # only with mock devices or the demo
+    "pynvml",  # only where NVML is asked for
+    "multiprocessing",  # the start's helper process is a plain fork
+)
+
+
+def test_nothing_on_the_list_is_imported_before_readiness(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    write_kernel(tmp_path, "k1", {"cuda.shares": {"GPU-a": Decimal("0.5")}})
+    code = f"""
+import sys
+from pathlib import Path
+from exporter.app import Exporter
+from exporter.config import resolve
+from exporter.settings import Settings
+exporter = Exporter(resolve(Settings(scratch_roots=[Path({str(tmp_path)!r})], telemetry_source="none")))
+exporter.pipeline.start = lambda first=None: None  # the thread that builds the collector after readiness
+exporter.start()
+assert exporter.ready
+print(" ".join(sorted(sys.modules)))
+exporter.close()
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True).stdout
+    loaded = set(out.split())
+    assert "exporter.analysis.pipeline" in loaded  # the check sees the start's own modules
+    assert not [m for m in NOT_BEFORE_READY if m in loaded]

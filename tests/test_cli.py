@@ -17,46 +17,12 @@ from pathlib import Path
 
 import pytest
 from backendai_reference import WITH_CUDA_MEM, scan_gpu_alloc_map
-from helpers import wait_for
+from helpers import Running, require_tool, wait_for
 
 from exporter.cli import main
 from exporter.demo import write_kernel
 
 SAMPLES = sorted((Path(__file__).parent / "fixtures" / "resources").glob("*.txt"))
-
-
-class Running:
-    """A ``python -m exporter`` child process; the port comes from its 'serving on' log line."""
-
-    def __init__(self, *args: str, env: dict | None = None) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "exporter", *args], stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-            env={**os.environ, **(env or {})},
-        )
-        self.log: list[str] = []
-        for line in self.proc.stderr:
-            self.log.append(line)
-            m = re.search(r"serving on http://\S+:(\d+)/metrics", line)
-            if m:
-                self.port = int(m.group(1))
-                break
-        else:
-            raise AssertionError("exporter did not start:\n" + "".join(self.log))
-
-    def get(self, path: str, headers: dict | None = None) -> tuple[int, bytes, dict]:
-        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", headers=headers or {})
-        try:
-            with urllib.request.urlopen(req, timeout=5) as r:
-                return r.status, r.read(), dict(r.headers)
-        except urllib.error.HTTPError as e:
-            return e.code, e.read(), dict(e.headers)
-
-    def stop(self) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        rc = self.proc.wait(10)
-        self.proc.stderr.close()
-        self.proc.stdout.close()
-        return rc
 
 
 @pytest.fixture
@@ -86,9 +52,8 @@ def test_serve_end_to_end_matches_backendai_and_follows_live_changes(scratch: Pa
         status, body, headers = ex.get("/metrics")
         assert status == 200 and headers["Content-Type"].startswith("text/plain; version=0.0.4")
         assert b'gpu_alloc_kernels{state="ok"} 13.0' in body
-        if shutil.which("promtool"):
-            lint = subprocess.run(["promtool", "check", "metrics"], input=body, capture_output=True)
-            assert lint.returncode == 0, lint.stderr.decode()
+        lint = subprocess.run([require_tool("promtool"), "check", "metrics"], input=body, capture_output=True)
+        assert lint.returncode == 0, lint.stderr.decode()
         status, gz, headers = ex.get("/metrics", {"Accept-Encoding": "gzip"})
         assert headers.get("Content-Encoding") == "gzip"
         import gzip as _gz
@@ -532,7 +497,6 @@ def test_simulate_live_and_over_http(tmp_path: Path, capsys) -> None:
 
 def test_a_root_that_cannot_be_stat_ed_is_one_line_and_exit_2(tmp_path: Path, monkeypatch, capsys) -> None:
     """EACCES on a parent directory (root itself is exempt, so the denial is injected at os.stat)."""
-    import os
 
     from exporter import cli
 

@@ -74,3 +74,28 @@ def test_the_zero_flag_start_with_an_unreachable_default_is_one_line_and_exit_2(
     assert main(["scan", "--scratch.root", str(tmp_path)], default_agent_config=default) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err and f"{default}: cannot be read by uid" in err
+
+
+def test_precedence_flags_then_environment_then_config_file_then_agent_toml_then_defaults(tmp_path: Path, monkeypatch) -> None:
+    """The scratch roots at each level, as docs/configuration.md lists them."""
+    from exporter.config import resolve
+    from exporter.settings import Settings
+
+    toml = tmp_path / "agent.toml"
+    toml.write_text('[container]\nscratch-root = "/from/agent-toml"\n')
+    config_file = tmp_path / "config.yaml"
+    config_file.write_text("scratch.root: [/from/config-file]\n")
+
+    def roots(flags: dict, env: str | None, file: Path | None, agent: Path | None) -> list[str]:
+        if env is None:
+            monkeypatch.delenv("GPU_ALLOC_EXPORTER_SCRATCH_ROOTS", raising=False)
+        else:
+            monkeypatch.setenv("GPU_ALLOC_EXPORTER_SCRATCH_ROOTS", env)
+        config = resolve(Settings.load(flags, file), agent_config=agent, hostname="n")
+        return [str(r) for r in config.settings.scratch_roots]
+
+    assert roots({"scratch_roots": ["/from/flag"]}, "/from/env", config_file, toml) == ["/from/flag"]
+    assert roots({}, "/from/env", config_file, toml) == ["/from/env"]
+    assert roots({}, None, config_file, toml) == ["/from/config-file"]
+    assert roots({}, None, None, toml) == ["/from/agent-toml"]
+    assert roots({}, None, None, None) == ["/var/lib/backend.ai/scratches"]

@@ -146,7 +146,7 @@ def test_fleet_dashboard_reads_recorded_series_only() -> None:
 
 
 def test_legends_name_the_instance() -> None:
-    """dcgm-exporter's dashboard leaves you guessing which node a line is (peers.md §10.8)."""
+    """dcgm-exporter's dashboard leaves you guessing which node a line is; ours never does."""
     for doc in DASHBOARDS.values():
         for q in mc.dashboard_queries(doc):
             if q.ref == "var" or q.table:
@@ -196,3 +196,54 @@ def test_provisioning_points_at_the_dashboards() -> None:
     provider = dash["providers"][0]
     assert provider["type"] == "file" and provider["options"]["path"]
     assert json.loads((ROOT / "dashboards" / "gpu-alloc-node.json").read_text())["uid"] == NODE_UID
+
+
+def _top_kernel_queries() -> list[mc.Query]:
+    return [q for q in mc.dashboard_queries(BY_UID[FLEET_UID]) if "zone_kernel:" in q.expr]
+
+
+@pytest.mark.tools("promtool")
+def test_fleet_top_kernels_follow_the_node_filter(tmp_path: Path) -> None:
+    """Filtered to one node, the fleet's top-kernel tables list that node's kernels, though none of
+    them is among the zone's top 20; unfiltered, the zone's top 20. On a zone Prometheus from the
+    per-kernel series, with the shipped zone_kernel:*:topk20 rules; on the global level, which
+    holds only the zones' top 20, the selected node's kernels among them."""
+    import subprocess
+
+    queries = _top_kernel_queries()
+    assert len(queries) == 3
+    recording = yaml.safe_load(mc.RULE_FILES[0].read_text())
+    groups = [{**g, "rules": [r for r in g["rules"] if r.get("record", "").startswith("zone_kernel:")]} for g in recording["groups"]]
+    rule_file = tmp_path / "zone_kernel.yml"
+    rule_file.write_text(yaml.safe_dump({"groups": [g for g in groups if g["rules"]]}, sort_keys=False))
+    sources = {re.search(r"(instance_kernel:\S+?)\{", q.expr).group(1): re.search(r"(zone_kernel:\S+?)\{", q.expr).group(1) for q in queries}
+    big = [("node-a:19402", "i-a", f"a-{n:02d}", 100 + n) for n in range(25)]  # the zone's top 20 are all here
+    small = [("node-b:19402", "i-b", f"b-{n}", 1 + n) for n in range(3)]
+
+    def labels(name: str, instance: str, agent: str, kernel: str, zone: bool = False) -> str:
+        extra = ', zone="zone-a"' if zone else ""
+        return f'{name}{{job="gpu", instance="{instance}", agent_id="{agent}", kernel_id="{kernel}"{extra}}}'
+
+    def expect(q: mc.Query, instance: str, kernels: list[tuple], name: str, zone: bool = False) -> dict:
+        expr = mc.substitute_vars(q.expr, {"job": ".*", "agent": ".*", "instance": instance})
+        return {"expr": expr, "eval_time": "3m",
+                "exp_samples": [{"labels": labels(name, *k[:3], zone=zone), "value": k[3]} for k in kernels]}
+
+    top20 = sorted(big, key=lambda k: -k[3])[:20]
+    zone_test = {"interval": "1m",
+                 "input_series": [{"series": labels(src, *k[:3]), "values": f"{k[3]}+0x5"} for src in sources for k in big + small],
+                 "promql_expr_test": [e for q in queries for e in (
+                     expect(q, "node-b:19402", small, next(s for s in sources if s in q.expr)),
+                     expect(q, ".*", top20, next(s for s in sources if s in q.expr)))]}
+    global_test = {"interval": "1m",
+                   "input_series": [{"series": labels(dst, *k[:3], zone=True), "values": f"{k[3]}+0x5"} for dst in sources.values() for k in top20],
+                   "promql_expr_test": [e for q in queries for e in (
+                       expect(q, "node-b:19402", [], sources[next(s for s in sources if s in q.expr)], zone=True),
+                       expect(q, "node-a:19402", top20, sources[next(s for s in sources if s in q.expr)], zone=True))]}
+    test_file = tmp_path / "top_kernels.test.yml"
+    test_file.write_text(yaml.safe_dump({"rule_files": [str(rule_file)], "evaluation_interval": "1m", "tests": [zone_test]}, sort_keys=False))
+    global_file = tmp_path / "top_kernels_global.test.yml"
+    global_file.write_text(yaml.safe_dump({"rule_files": [], "evaluation_interval": "1m", "tests": [global_test]}, sort_keys=False))
+    for path in (test_file, global_file):
+        result = subprocess.run(["promtool", "test", "rules", str(path)], capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stdout + result.stderr

@@ -787,6 +787,34 @@ def test_systemd_environment_file_is_valid_configuration(monkeypatch):
     assert [str(p) for p in settings.scratch_roots] == [SCRATCH_ROOT]
 
 
+# What agent.toml says; a live line in the unit's environment would win over it.
+AGENT_TOML_SETTINGS = ("SCRATCH_ROOTS", "SCRATCH_AGENTS", "AGENT_ID", "AGENT_CONFIG_FILE")
+
+
+def test_the_shipped_unit_serves_the_scratch_root_agent_toml_names_with_zero_flags(tmp_path, monkeypatch, capsys):
+    """The unit's environment sets nothing agent.toml says: a node whose agent writes elsewhere
+    than the packaged default is served as agent.toml says, with no flag and no edit."""
+    from exporter.cli import main
+
+    live = {}
+    for line in ENV_FILE.read_text().splitlines():
+        m = re.match(r"^(GPU_ALLOC_EXPORTER_[A-Z_]+)=(.*)$", line.strip())
+        if m:
+            live[m.group(1)] = m.group(2)
+    assert not [n for n in live if n.removeprefix("GPU_ALLOC_EXPORTER_") in AGENT_TOML_SETTINGS], live
+    root = tmp_path / "srv" / "scratches"
+    (root / "k1" / "config").mkdir(parents=True)
+    (root / "k1" / "config" / "resource.txt").write_text(
+        'SCRATCH_SIZE=0m\nMOUNTS=\nSLOTS={"cuda.shares":"0.5"}\nCUDA.SHARES_SHARES=GPU-a:0.5\n')
+    agent_toml = tmp_path / "agent.toml"
+    agent_toml.write_text(f'[agent]\nid = "i-node07"\n[container]\nscratch-root = "{root}"\n')
+    for name, value in live.items():
+        monkeypatch.setenv(name, value)
+    assert main(["scan", "--output", "json"], default_agent_config=agent_toml) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["scratch_roots"] == [str(root)] and document["alloc_map"] == {"GPU-a": "0.5"}
+
+
 # -- docs ----------------------------------------------------------------------------------------
 
 

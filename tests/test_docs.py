@@ -171,3 +171,17 @@ def test_the_readme_installs_every_rule_file_the_shipped_config_loads() -> None:
     installed = set(re.findall(r"alerts/([\w.-]+\.yml)", (ROOT / "README.md").read_text()))
     assert set(config["rule_files"]) <= installed, set(config["rule_files"]) - installed
     assert all((ROOT / "alerts" / name).is_file() for name in config["rule_files"])
+
+
+def test_the_agent_toml_examples_resolve_as_documented() -> None:
+    from exporter.config import agent_layout
+
+    text = (DOCS / "configuration.md").read_text()
+    one, several = re.findall(r"```toml /etc/backend.ai/agent.toml \([^)]*\)\n(.*?)```", text, flags=re.S)
+    layout = agent_layout(Settings.load({}), one, "agent.toml", "gpu-node07")
+    assert layout.roots == ("/data/backend.ai/scratches",) and layout.agents == ("i-gpu-node07",)
+    layout = agent_layout(Settings.load({}), several, "agent.toml", "gpu-node07")
+    assert layout.agents == ("i-gpu-node07-a", "i-gpu-node07-b") and layout.allocation_mode == "auto-split"
+    assert layout.roots == ("/var/lib/backend.ai/scratches", "/var/lib/backend.ai/scratches-b")
+    assert layout.bindings == {"/var/lib/backend.ai/scratches": "i-gpu-node07-a",
+                               "/var/lib/backend.ai/scratches-b": "i-gpu-node07-b"}

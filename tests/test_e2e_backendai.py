@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import sys
 import time
 import urllib.request
@@ -32,7 +31,7 @@ jinja2_sandbox = pytest.importorskip("jinja2.sandbox")
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not shutil.which("prometheus"), reason="Debian package prometheus is not installed"),
+    pytest.mark.tools("prometheus"),
 ]
 
 USER_A, USER_B, USER_C = "f38dea23-50fa-42a0-b5ae-338f5f4693f4", "0a1b2c3d-4e5f-4a6b-8c7d-9e0f1a2b3c4d", "7e6d5c4b-3a29-4817-a6b5-c4d3e2f1a0b9"

@@ -5,7 +5,6 @@ alert delivered by a real Alertmanager naming all three sessions and their users
 
 from __future__ import annotations
 
-import shutil
 from decimal import Decimal
 from pathlib import Path
 
@@ -20,8 +19,7 @@ from exporter.settings import Settings
 from exporter.telemetry.nvml import NvmlSource
 from exporter.telemetry.nvml.simulated import FakeNvml
 
-pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None or shutil.which("prometheus-alertmanager") is None,
-                                reason="Debian's prometheus and prometheus-alertmanager are needed")
+pytestmark = pytest.mark.tools("prometheus", "prometheus-alertmanager")
 
 SESSIONS = {  # kernel id -> (session id, owner user id)
     "0b3f6a52-1c2d-4e5f-8a9b-0c1d2e3f4a51": ("5e55a001-0000-4000-8000-000000000001", "f38dea23-50fa-42a0-b5ae-338f5f4693f4"),

@@ -20,7 +20,7 @@ import monitoring_checks as mc  # noqa: E402
 
 DEPLOY = ROOT / "deploy" / "prometheus"
 
-pytestmark = pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian package prometheus) not installed")
+pytestmark = pytest.mark.tools("promtool")
 
 
 def _check_config(path: Path) -> subprocess.CompletedProcess[str]:
@@ -84,9 +84,32 @@ def remote_written(name: str, labels: dict[str, str] | None = None) -> bool:
     return True
 
 
+def _fleet_queries() -> list[mc.Query]:
+    return mc.dashboard_queries(json.loads((ROOT / "dashboards" / "gpu-alloc-fleet.json").read_text()))
+
+
+def _zone_only(name: str) -> bool:
+    return name.startswith("instance_kernel:")
+
+
 def _fleet_names() -> set[str]:
-    doc = json.loads((ROOT / "dashboards" / "gpu-alloc-fleet.json").read_text())
-    return {n for q in mc.dashboard_queries(doc) for n in mc.metric_names(q.expr)}
+    """What the fleet dashboard reads, but the per-kernel series it reads only where a zone's
+    Prometheus has them (beside the crossing top 20 that stands in for them elsewhere)."""
+    return {n for q in _fleet_queries() for n in mc.metric_names(q.expr) if not _zone_only(n)}
+
+
+def test_the_fleet_dashboard_reads_zone_only_series_beside_what_crosses() -> None:
+    """The top-kernel tables read a zone's per-kernel series (exact for a node filter) or else the
+    zones' recorded top 20, which crosses: on a global Prometheus or VictoriaMetrics they still
+    have data."""
+    readers = [q for q in _fleet_queries() if any(_zone_only(n) for n in mc.metric_names(q.expr))]
+    assert len(readers) == 3
+    for q in readers:
+        for name in filter(_zone_only, mc.metric_names(q.expr)):
+            _, metric, _ = name.split(":")
+            stand_in = f"zone_kernel:{metric}:topk20"
+            assert re.search(rf"{re.escape(name)}\{{[^}}]*\}} or {re.escape(stand_in)}\{{", q.expr), q.key
+            assert federated(stand_in) and remote_written(stand_in), stand_in
 
 
 def test_everything_the_fleet_dashboard_reads_crosses_both_ways() -> None:
@@ -116,8 +139,12 @@ def test_raw_and_per_kernel_series_stay_in_the_zone() -> None:
         assert not federated(name) and not remote_written(name), name
     per_kernel = [n for n in rules.records if n.startswith("instance_kernel:")]
     assert per_kernel and not any(federated(n) or remote_written(n) for n in per_kernel)
+    # The fleet what-if's per node and shape steps stay too (a zone's alert reads them there); the
+    # global level gets their per-shape results.
+    per_shape = [n for n in rules.records if n.startswith(("instance_shape:", "instance_shape_selector:"))]
+    assert per_shape and not any(federated(n) or remote_written(n) for n in per_shape)
     # Every other recorded series crosses: the fleet view has per-node and zone figures only.
-    crossing = {n for n in rules.records if not n.startswith("instance_kernel:")}
+    crossing = {n for n in rules.records if not n.startswith(("instance_kernel:", "instance_shape:", "instance_shape_selector:"))}
     assert all(federated(n) for n in crossing)
 
 
@@ -125,3 +152,36 @@ def test_the_checker_sees_a_dropped_name() -> None:
     assert not federated("instance_kernel:gpu_alloc_kernel_fgpu_allocated:sum")
     assert not remote_written("gpu_alloc_kernel_allocated")
     assert federated("zone_kernel:gpu_alloc_kernel_fgpu_allocated:topk20")
+
+
+# --- vmalert, documented -----------------------------------------------------------------------
+
+
+def documented_vmalert_commands() -> list[list[str]]:
+    """Every vmalert command line the docs and README show (inline code or sh blocks)."""
+    out = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = path.read_text()
+        out += [m.split() for m in re.findall(r"(?<!`)`(vmalert\s[^`]+)`", text)]
+        for block in re.findall(r"```(?:sh|bash)\n(.*?)```", text, flags=re.S):
+            out += [line.split() for line in block.replace("\\\n", " ").splitlines() if line.startswith("vmalert ")]
+    return out
+
+
+def test_documented_vmalert_evaluates_at_the_zone_interval() -> None:
+    """vmalert's default interval is 1 minute: without the flag the 15 s groups would run four
+    times less often than on the zone Prometheus."""
+    interval = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())["global"]["evaluation_interval"]
+    commands = documented_vmalert_commands()
+    assert commands, "no vmalert command documented"
+    for argv in commands:
+        assert f"-evaluationInterval={interval}" in argv, " ".join(argv)
+        assert [a for a in argv if a.startswith("-rule=")] == [f"-rule=alerts/{p.name}" for p in mc.RULE_FILES], " ".join(argv)
+
+
+@pytest.mark.tools("vmalert")
+def test_documented_vmalert_command_accepts_the_rule_files() -> None:
+    for argv in documented_vmalert_commands():
+        flags = [a for a in argv[1:] if a.startswith(("-rule=", "-evaluationInterval="))]
+        result = subprocess.run(["vmalert", *flags, "-dryRun", "-loggerLevel=ERROR"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stdout + result.stderr

@@ -25,7 +25,6 @@ from __future__ import annotations
 import copy
 import json
 import re
-import shutil
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -59,8 +58,7 @@ from gpu_alloc_dashboards import FLEET_UID, expected_empty  # noqa: E402
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not all(shutil.which(b) for b in ("prometheus", "promtool", "victoria-metrics", "vmalert")),
-                       reason="Debian packages prometheus and victoria-metrics are not installed"),
+    pytest.mark.tools("prometheus", "promtool", "victoria-metrics", "vmalert"),
 ]
 
 DEPLOY = ROOT / "deploy" / "prometheus"

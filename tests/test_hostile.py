@@ -30,6 +30,7 @@ from decimal import Decimal
 from pathlib import Path
 
 import pytest
+from helpers import require_tool
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
@@ -45,7 +46,6 @@ from exporter.web.server import Request
 
 CORPUS = Path(__file__).parent / "fixtures" / "hostile"
 CASES = sorted(p for p in CORPUS.iterdir() if p.is_dir())
-PROMTOOL = shutil.which("promtool")
 GOOD = ('SCRATCH_SIZE=0m\nMOUNTS=\nSLOTS={{"cpu":"1","mem":"1073741824","cuda.shares":"{amount}"}}\nUNIFIED_DEVICES=[]\n'
         "CUDA.SHARES_SHARES={dev}:{amount}\nCPU_SHARES=0:1\nMEM_SHARES=root:1g\n")
 CANARIES = {"canary-a": ("GPU-canary-a", "0.25"), "canary-b": ("GPU-canary-b", "0.75")}
@@ -160,9 +160,8 @@ def labels_in(text: str) -> dict[str, set[str]]:
 
 
 def promtool_check(text: bytes) -> None:
-    if PROMTOOL:
-        r = subprocess.run([PROMTOOL, "check", "metrics"], input=text, capture_output=True, timeout=30)
-        assert r.returncode == 0, r.stderr.decode()[:2000]
+    r = subprocess.run([require_tool("promtool"), "check", "metrics"], input=text, capture_output=True, timeout=30)
+    assert r.returncode == 0, r.stderr.decode()[:2000]
 
 
 def rchar() -> int:
@@ -592,3 +591,29 @@ def test_runs_as_nobody_reads_only_and_exports_no_secret() -> None:
     assert "resource.txt" in opened and not {"environ.txt", "environ_base.txt", "docker-creds.json"} & set(opened), opened
     # Nothing under the root changed except what this test itself wrote (kernel-live).
     assert {p: v for p, v in after.items() if "kernel-live" not in p} == before
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="runs the exporter as uid 65534 via setpriv, which needs root")
+def test_a_zero_flag_start_as_a_service_user_that_cannot_enter_etc_backend_ai_is_one_line_and_exit_2() -> None:
+    """The packaged unit runs as an unprivileged user; where /etc/backend.ai is root's alone (0700),
+    the default agent.toml is unreachable: one line and exit 2, never a traceback the unit restarts."""
+    import tempfile
+
+    repo = Path(__file__).resolve().parent.parent
+    found = _unprivileged_python(repo)
+    if found is None:
+        pytest.skip("no interpreter that uid 65534 can run with this checkout importable")
+    cmd, env = found
+    base = Path(tempfile.mkdtemp(prefix="gpu-alloc-etc-", dir="/tmp"))
+    try:
+        base.chmod(0o755)
+        etc = base / "backend.ai"
+        etc.mkdir(mode=0o700)
+        (etc / "agent.toml").write_text('[container]\nscratch-root = "/var/lib/backend.ai/scratches"\n')
+        code = f"import sys; from pathlib import Path; from exporter.cli import main; sys.exit(main([], default_agent_config=Path({str(etc / 'agent.toml')!r})))"
+        proc = subprocess.run([*cmd, "-c", code], env=env, cwd="/", capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+        assert f"{etc / 'agent.toml'}: cannot be read by uid 65534: Permission denied" in proc.stderr
+    finally:
+        shutil.rmtree(base, ignore_errors=True)

@@ -200,3 +200,18 @@ def test_paths_named_in_the_docs_exist(path: Path) -> None:
     named = set(re.findall(r"`((?:exporter|tests|bench|tools|deploy|dashboards|alerts|docs)/[\w./-]+)`", path.read_text()))
     missing = sorted(n for n in named if not (ROOT / n.rstrip("/")).exists() and "*" not in n)
     assert not missing, f"{path.name} names paths that do not exist: {missing}"
+
+
+def test_no_test_module_imports_another() -> None:
+    """Shared test code lives in the support modules (helpers, e2e/harness, backendai_reference),
+    never in a test module another one imports: each test file runs on its own."""
+    tests = ROOT / "tests"
+    names = {p.stem for p in tests.rglob("test_*.py")}
+    found = []
+    for path in sorted(tests.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            found += [f"{path.relative_to(ROOT)}:{node.lineno}: imports {t}" for t in targets
+                      if t.split(".")[-1] in names or t.split(".")[0] in names]
+    assert not found

@@ -4,15 +4,13 @@
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from decimal import Decimal
 from pathlib import Path
 
 import pytest
-from helpers import GOLDEN
-from test_cli import Running
+from helpers import GOLDEN, Running
 
 from exporter.app import Exporter
 from exporter.cli import main
@@ -139,7 +137,7 @@ def test_multi_agent_golden(tmp_path: Path, update_golden: bool) -> None:
     assert text == GOLDEN_FILE.read_text(), "exposition changed; review and run pytest --update-golden"
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian package prometheus) not installed")
+@pytest.mark.tools("promtool")
 def test_multi_agent_golden_is_promtool_clean() -> None:
     result = subprocess.run(["promtool", "check", "metrics"], input=GOLDEN_FILE.read_bytes(), capture_output=True)
     assert result.returncode == 0, result.stderr.decode()

@@ -183,6 +183,20 @@ def I(expr: str, legend: str, sel: str, **kw: Any) -> Target:  # noqa: E743 (ins
     return T(expr, legend, sel, instant=True, **kw)
 
 
+# Where the fleet dashboard runs on a zone Prometheus, the per-kernel recorded series are there and
+# a node or agent filter picks that node's own top 20; on a global Prometheus or VictoriaMetrics
+# only each zone's recorded top 20 crossed, so the same query falls back to those.
+TOP_KERNELS_SCOPE = ("On a zone's Prometheus a node or agent filter lists those nodes' own top 20; on the global level, "
+                     "which holds each zone's top 20 only, the selected nodes' kernels among them (open the node dashboard "
+                     "on the zone for the rest).")
+
+
+def top_kernels(metric: str, op: str) -> str:
+    """The 20 largest per-kernel figures of the selected nodes: the zone's per-kernel series where
+    they exist, else the zones' recorded top 20 (``or`` drops a kernel both name)."""
+    return f"topk(20, instance_kernel:{metric}:{op}{{%S}} or zone_kernel:{metric}:topk20{{%S}})"
+
+
 def TAB(expr: str, sel: str, **kw: Any) -> Target:
     """An instant query for a table."""
     return Target(_fill(expr, sel), "", instant=True, table=True, **kw)
@@ -632,15 +646,18 @@ def fleet() -> Dashboard:
 
     d.row("Kernels: top allocations, memory, idle")
     d.add(
-        table("Top kernels by fGPU", [TAB("topk(20, zone_kernel:gpu_alloc_kernel_fgpu_allocated:topk20{%S})", F)], unit="none", w=8, h=10,
-              rename={"Value": "fGPU"}, links=[kernel_link(), node_link()], desc="The 20 largest GPU allocations in the fleet: the top 20 of every zone's top 20 (recorded once a minute). With an agent or node filter, those of the fleet's top 20 on the selected nodes.",
+        table("Top kernels by fGPU", [TAB(top_kernels("gpu_alloc_kernel_fgpu_allocated", "sum"), F)], unit="none", w=8, h=10,
+              rename={"Value": "fGPU"}, links=[kernel_link(), node_link()],
+              desc="The 20 largest GPU allocations of the selected nodes (recorded once a minute). " + TOP_KERNELS_SCOPE,
               no_value="no kernel holds a GPU"),
-        table("Top kernels by GPU memory used", [TAB("topk(20, zone_kernel:gpu_alloc_kernel_memory_used_bytes:topk20{%S})", F)], unit="bytes",
-              w=8, h=10, rename={"Value": "memory used"}, links=[kernel_link(), node_link()], desc="Measured GPU memory of each kernel's processes.",
+        table("Top kernels by GPU memory used", [TAB(top_kernels("gpu_alloc_kernel_memory_used_bytes", "sum"), F)], unit="bytes",
+              w=8, h=10, rename={"Value": "memory used"}, links=[kernel_link(), node_link()],
+              desc="Measured GPU memory of each kernel's processes, the 20 largest of the selected nodes. " + TOP_KERNELS_SCOPE,
               no_value="no kernel process on a GPU, or attribution off"),
-        table("Longest idle kernels", [TAB("topk(20, zone_kernel:gpu_alloc_kernel_idle_seconds:topk20{%S})", F)], unit="s", w=8, h=10,
+        table("Longest idle kernels", [TAB(top_kernels("gpu_alloc_kernel_idle_seconds", "min"), F)], unit="s", w=8, h=10,
               rename={"Value": "idle for"}, links=[kernel_link(), node_link()],
-              desc="Kernels whose every allocated GPU has been idle longest.", no_value="per-kernel use not measured"),
+              desc="Kernels whose every allocated GPU has been idle longest, the 20 of the selected nodes. " + TOP_KERNELS_SCOPE,
+              no_value="per-kernel use not measured"),
     )
 
     d.row("Health summary")

@@ -9,13 +9,12 @@ allocation map and answers its own ``gpu_alloc_map`` RPC. The configuration room
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from decimal import Decimal
 from types import MappingProxyType
 
 from exporter.analysis.capacity import agent_slot_total
 from exporter.analysis.node import NodeState
-from exporter.analysis.placement import DeviceFree
 from exporter.scratch.allocation import AllocationView, Kernel, KernelState, absolute_alloc_map, is_accelerator_slot
 from exporter.scratch.identity import UNDEFINED
 
@@ -42,6 +41,7 @@ class AgentLayout:
     allocation_mode: str = "shared"
     allocations: Mapping[str, Mapping[str, Decimal]] = field(default_factory=lambda: MappingProxyType({}))
     source: str | None = None
+    affinity_policy: str | None = None  # [resource] affinity-policy; None: the agent's default
 
     @property
     def multi_agent(self) -> bool:
@@ -133,7 +133,7 @@ def agent_headroom(node: NodeState, own: NodeState, layout: AgentLayout, agent_i
     out = {}
     for slot, node_devices in node.slots.items():
         # A slot none of its kernels hold: every device whole and free in its map.
-        devices = own.slots.get(slot) or tuple(DeviceFree(d.device_id, d.capacity, Decimal(0)) for d in node_devices)
+        devices = own.slots.get(slot) or tuple(replace(d, allocated=Decimal(0)) for d in node_devices)
         node_total = sum((d.capacity for d in node.slots.get(slot, devices)), Decimal(0))
         try:
             total = agent_slot_total(layout.allocation_mode, slot, node_total, len(layout.agents), index, manual.get(slot))

@@ -32,7 +32,7 @@ import re
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from types import MappingProxyType
 
@@ -81,6 +81,10 @@ class Attribution:
     kernel_id: str | None
     via: str | None = None  # "cgroup" or "mountinfo" when kernel_id is set
     reason: Unattributed | None = None  # set when kernel_id is None
+    # Evidence, not verdict (left out of equality): the container its cgroup names, and its
+    # /proc/<pid>/stat field 22 (clock ticks after boot); None: none, or unread.
+    container_id: str | None = field(default=None, compare=False)
+    start_time: int | None = field(default=None, compare=False)
 
 
 # -- procfs -------------------------------------------------------------------------------------
@@ -224,9 +228,10 @@ class ProcessAttributor:
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
         self._cache.move_to_end(pid)
-        kernel_id = kernels.by_container(evidence.container_id)
+        cid = evidence.container_id
+        kernel_id = kernels.by_container(cid)
         if kernel_id:
-            return Attribution(kernel_id, via="cgroup")
+            return Attribution(kernel_id, via="cgroup", container_id=cid, start_time=started)
         if evidence.mount_roots is None:
             # Read only when the cgroup did not tell: mountinfo is the larger file.
             roots = mount_roots(self._procfs.read(pid, "mountinfo"))
@@ -234,8 +239,9 @@ class ProcessAttributor:
             evidence.mount_roots = roots
         kernel_id = kernels.by_mounts(evidence.mount_roots)
         if kernel_id:
-            return Attribution(kernel_id, via="mountinfo")
-        return Attribution(None, reason=Unattributed.UNKNOWN_CONTAINER if evidence.container_id else Unattributed.HOST)
+            return Attribution(kernel_id, via="mountinfo", container_id=cid, start_time=started)
+        reason = Unattributed.UNKNOWN_CONTAINER if cid else Unattributed.HOST
+        return Attribution(None, reason=reason, container_id=cid, start_time=started)
 
     def _start_time(self, pid: int) -> int:
         return parse_start_time(self._procfs.read(pid, "stat"))
@@ -333,6 +339,9 @@ class ProcessUsage:
     kernel_id: str | None
     memory_used_bytes: int | None
     utilization_ratio: float | None
+    reason: Unattributed | None = None  # why it belongs to no kernel (kernel_id None)
+    container_id: str | None = None  # the container its cgroup names, when one does
+    start_time: int | None = None  # /proc/<pid>/stat field 22; None: procfs could not tell
 
 
 @dataclass(frozen=True, slots=True)
@@ -422,7 +431,8 @@ class AttributionTracker:
                 if p.pid not in seen:
                     seen[p.pid] = self._attributor.attribute(p.pid, index)
                 who = seen[p.pid]
-                processes.append(ProcessUsage(u.label, p.pid, who.kernel_id, p.used_memory_bytes, _ratio(u.utilization, p.pid)))
+                processes.append(ProcessUsage(u.label, p.pid, who.kernel_id, p.used_memory_bytes, _ratio(u.utilization, p.pid),
+                                              who.reason, who.container_id, who.start_time))
                 if who.kernel_id is None:
                     unattributed.setdefault((u.label, who.reason), []).append(p)
                     continue

@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from decimal import ROUND_DOWN, Decimal
+from decimal import ROUND_DOWN, ROUND_UP, Decimal
 
 __all__ = [
     "CAPACITY_PRECISION",
@@ -36,6 +36,7 @@ __all__ = [
     "is_fractional_slot",
     "is_mig_slot",
     "mig_profile_of_slot",
+    "usable_capacity",
 ]
 
 DEFAULT_UNIT_MEM_BYTES = 2 * 1024**3  # mock plugin default ``unit_mem`` (2 GiB)
@@ -44,7 +45,7 @@ DEFAULT_QUANTUM = Decimal("0.01")  # FractionAllocMap's default ``quantum_size``
 CAPACITY_PRECISION = Decimal("0.01")  # the plugin quantizes a device's shares down to this
 
 # Both spellings of a MIG slot: the code's ``cuda.device:<profile>-mig`` and the docs'
-# ``cuda.mig-<profile>`` (backendai-scratch.md §7).
+# ``cuda.mig-<profile>`` (docs/headroom.md, *Units and capacity*).
 _MIG_SLOT = re.compile(r"^[a-z0-9_-]+\.(?:device:(?P<a>.+)-mig|mig-(?P<b>.+))$")
 
 
@@ -98,11 +99,18 @@ class GpuInventory:
         a mock ``mother_uuid``).
     :param memory_total_bytes: total device memory in bytes (NVML ``memory.total``), or None.
     :param multiprocessor_count: number of SMs, or None when unknown.
+    :param numa_node: the NUMA node the device is attached to (NVML ``nvmlDeviceGetNumaNodeId``,
+        the mock file's ``numa_node``), or None when unknown: the agent groups devices by it.
+    :param memory_reserved_bytes: memory the driver keeps for itself that ``memory_total_bytes``
+        still includes (NVML ``memory.reserved`` where the total is NVML's; 0 where it is the
+        memory CUDA reports, which already leaves it out).
     """
 
     device_id: str
     memory_total_bytes: int | None = None
     multiprocessor_count: int | None = None
+    numa_node: int | None = None
+    memory_reserved_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -140,6 +148,24 @@ def fractional_capacity(memory_total_bytes: int, multiprocessor_count: int, conf
     # Every agent of a multi-agent host registers each device's whole capacity in its own map;
     # ``allocation-mode`` splits only the slot totals it reports (:func:`agent_slot_total`).
     return Decimal(shares).quantize(CAPACITY_PRECISION, rounding=ROUND_DOWN)
+
+
+def usable_capacity(capacity: Decimal, memory_bytes: int | None, unusable_bytes: int, config: CapacityConfig) -> Decimal:
+    """The shares of a device of ``capacity`` shares whose memory can still be handed out, when
+    ``unusable_bytes`` of its ``memory_bytes`` are held by no share (driver-reserved, ghost).
+
+    Unusable memory first takes the memory the SM bound leaves over (a 40 GiB, 108-SM A100 holds
+    13.5 shares, 27 GiB: 13 GiB are spare); only the rest takes shares, ``unit_mem`` bytes each,
+    rounded up to 0.01. Equal to ``capacity`` when nothing is unusable or the memory is unknown.
+    """
+    if unusable_bytes <= 0 or memory_bytes is None:
+        return capacity
+    spare = memory_bytes - int(capacity * config.unit_mem_bytes)
+    over = unusable_bytes - max(spare, 0)
+    if over <= 0:
+        return capacity
+    lost = (Decimal(over) / config.unit_mem_bytes).quantize(CAPACITY_PRECISION, rounding=ROUND_UP)
+    return max(capacity - lost, Decimal(0))
 
 
 def device_capacity(

@@ -1,6 +1,7 @@
 """Stale kernels: scratch directories that no longer belong to a running container.
 
-Nothing sweeps the scratch root (backendai-scratch.md §4): a container removed out of band, a
+Nothing sweeps the scratch root (the agent removes a kernel's directory only in its own cleanup of
+that kernel; docs/headroom.md, *Stale kernels*): a container removed out of band, a
 failed creation or a cleanup race leaves a directory whose ``resource.txt`` still claims devices.
 A kernel is judged by the last ``CID=`` of its file against the host's cgroup tree, where every
 running container has a directory:
@@ -76,7 +77,7 @@ class KernelLiveness:
 
 
 # Every verdict classify() gives, made once: a node of 10,000 kernels holds one reference per
-# kernel, not one 48-byte object per kernel and analysis pass.
+# kernel, not one new object per kernel and analysis pass.
 _CONTAINER_RUNNING = KernelLiveness(Liveness.LIVE, "container-running")
 _POD_RUNNING = KernelLiveness(Liveness.LIVE, "pod-running")
 _IN_AGENT_REGISTRY = KernelLiveness(Liveness.LIVE, "in-agent-registry")

@@ -26,11 +26,15 @@ from exporter.analysis.accounting import Accounting
 from exporter.analysis.agents import AgentHeadroom, AgentLayout
 from exporter.analysis.attribution import AttributionResult
 from exporter.analysis.capacity import is_fractional_slot
+from exporter.analysis.ghost import GhostCause, GhostHolder, GhostMemory
 from exporter.analysis.headroom import SlotHeadroom
+from exporter.analysis.health import DeviceHealth, HealthReport, HealthState
 from exporter.analysis.liveness import CgroupScan, KernelLiveness, Liveness
 from exporter.analysis.node import HeadroomFigures, Inventory, NodeState
 from exporter.analysis.placement import Policy
+from exporter.analysis.shapes import ShapeFigures, ShapeVerdict
 from exporter.analysis.simulate import parse_request, result_document, simulate
+from exporter.analysis.xid import XidInfo, xid_info
 from exporter.scratch.allocation import AllocationView
 from exporter.telemetry.devices import DeviceResolver
 from exporter.telemetry.model import TelemetrySnapshot
@@ -42,12 +46,22 @@ __all__ = [
     "AgentShare",
     "Analysis",
     "AttributionResult",
+    "DeviceHealth",
+    "GhostCause",
+    "GhostHolder",
+    "GhostMemory",
+    "HealthReport",
+    "HealthState",
     "HeadroomFigures",
     "KernelLiveness",
     "Liveness",
     "NodeState",
+    "ShapeFigures",
+    "ShapeVerdict",
     "SlotHeadroom",
+    "XidInfo",
     "is_fractional_slot",
+    "xid_info",
 ]
 
 
@@ -91,6 +105,16 @@ class Analysis:
     liveness: Mapping[str, KernelLiveness] = field(default_factory=dict)
     attribution: AttributionResult | None = None
     accounting: Accounting | None = None
+    # Ghost memory of the last usage pass (None: not tracked, or the check failed), and per
+    # device label its bytes over all causes (what the node state leaves out of headroom).
+    ghost: GhostMemory | None = None
+    ghost_totals: Mapping[str, int] = field(default_factory=dict)
+    # (kernel id, device id) of fractional shares whose device's usable memory no longer
+    # covers what is allocated there (ghost or reserved memory took it).
+    short_shares: tuple[tuple[str, str], ...] = ()
+    health: HealthReport | None = None  # device health, latched until remedied; None: not tracked
+    # Per configured request shape: remaining totals, placeable or why not (fleet what-if).
+    shapes: ShapeFigures = field(default_factory=ShapeFigures)
 
     def ratio_map(self, view: AllocationView | None = None) -> dict[str, str]:
         """The ratio form of the alloc map (26.4.8+) of ``view`` (default: the whole node's)

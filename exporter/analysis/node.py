@@ -5,15 +5,31 @@ allocation, and the headroom settings. The input of the headroom figures and of 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
 
-from exporter.analysis.capacity import CapacityConfig, GpuInventory, device_capacity, is_fractional_slot, is_mig_slot
+from exporter.analysis.capacity import (
+    CapacityConfig,
+    GpuInventory,
+    device_capacity,
+    is_fractional_slot,
+    is_mig_slot,
+    usable_capacity,
+)
 from exporter.analysis.headroom import SlotHeadroom, count_fits, summarize
 from exporter.analysis.liveness import KernelLiveness, Liveness
-from exporter.analysis.placement import DeviceFree, Links, NoFragRule, Policy, Request
+from exporter.analysis.placement import (
+    DEFAULT_AFFINITY,
+    DEFAULT_RULE,
+    AffinityPolicy,
+    DeviceFree,
+    Links,
+    NoFragRule,
+    Policy,
+    Request,
+)
 from exporter.scratch.allocation import AllocationView
 from exporter.telemetry.devices import DeviceResolver
 from exporter.telemetry.mig import (
@@ -66,7 +82,9 @@ class HeadroomParams:
     :param mode: which slot whole GPUs are allocated as: ``fractional`` (``cuda.shares``),
         ``discrete`` (``cuda.device``) or ``auto`` (``cuda.shares`` once any kernel holds shares,
         else ``cuda.device``).
-    :param rule: the agent's fragmentation guard, for the ``disallowed`` figures.
+    :param rule: the agent release whose fractional allocator and fragmentation guard the
+        figures follow (``--headroom.nofrag-rule``).
+    :param affinity: the agent's ``[resource] affinity-policy`` (how NUMA nodes are joined).
     :param requests: reference requests for ``gpu_alloc_request_fits``.
     :param exclude_stale: leave stale kernels' allocations out of "allocated" (the agent rebuilds
         its map from live containers only); they are always exported on their own.
@@ -76,11 +94,12 @@ class HeadroomParams:
 
     capacity: CapacityConfig = field(default_factory=CapacityConfig)
     mode: str = "auto"
-    rule: NoFragRule = NoFragRule.MULTI_DEVICE
+    rule: NoFragRule = DEFAULT_RULE
     requests: tuple[Request, ...] = DEFAULT_REQUESTS
     exclude_stale: bool = True
     hami: tuple[HamiModel, ...] = ()
     links: Links = field(default_factory=dict)
+    affinity: AffinityPolicy = DEFAULT_AFFINITY
 
     def __post_init__(self) -> None:
         if self.mode not in ("auto", "fractional", "discrete"):
@@ -92,10 +111,11 @@ class HeadroomParams:
 
 @dataclass(frozen=True, slots=True)
 class MigInstanceDevice:
-    """A MIG device the agent can hand out: its device id and MIG slot."""
+    """A MIG device the agent can hand out: its device id, MIG slot and (its GPU's) NUMA node."""
 
     device_id: str
     slot: str
+    numa_node: int | None = None
 
 
 @dataclass(frozen=True)
@@ -133,10 +153,12 @@ def inventory_from_snapshot(snapshot: TelemetrySnapshot | None, resolver: Device
         if not reading.mig_mode_current:
             # The plugin sizes shares from the memory CUDA reports; NVML's total where CUDA is silent.
             memory = reading.allocatable_memory_bytes or reading.memory_total_bytes
-            gpus.append(GpuInventory(device_id, memory, reading.multiprocessor_count))
+            # CUDA's figure already leaves the driver's reserve out; NVML's total does not.
+            reserved = 0 if reading.allocatable_memory_bytes else (reading.memory_reserved_bytes or 0)
+            gpus.append(GpuInventory(device_id, memory, reading.multiprocessor_count, reading.numa_node, reserved))
             continue
         migs += [
-            MigInstanceDevice(resolver.label(m), f"cuda.device:{m.profile}-mig")
+            MigInstanceDevice(resolver.label(m), f"cuda.device:{m.profile}-mig", reading.numa_node)
             for m in reading.mig_devices
             if m.profile
         ]
@@ -181,18 +203,30 @@ def _mig_layout(reading: DeviceReading, device_id: str) -> MigLayout | None:
 
 @dataclass(frozen=True)
 class NodeState:
-    """Each accelerator slot's devices (inventory order) with capacity and allocation, plus what
-    stale kernels hold. The input of headroom figures and of ``simulate``; JSON round-trips.
+    """Each accelerator slot's devices (inventory order) with capacity, allocation and NUMA node,
+    plus what stale kernels hold. The input of headroom figures and of ``simulate``; JSON
+    round-trips.
 
+    :param rule: the agent release whose allocator the figures and what-ifs follow.
     :param stale: (device id, slot) → amount held by stale kernels (already left out of
         ``allocated`` when ``exclude_stale``).
+    :param affinity: the agent's ``affinity-policy``.
+    :param gpu_slot: the slot whole GPUs register as (``cuda.shares`` or ``cuda.device``), when
+        the state was built from an inventory (for :func:`ratio_capacities`); neither part of
+        the JSON document nor of equality.
+    :param blocked: (device id, slot) -> shares of a fractional device's registered capacity
+        whose memory no share can get (driver-reserved or ghost memory beyond the spare memory):
+        ``capacity`` of its row is already the usable part; the registered one adds this back.
     """
 
     slots: Mapping[str, tuple[DeviceFree, ...]]
     quantum: Decimal = Decimal("0.01")
-    rule: NoFragRule = NoFragRule.MULTI_DEVICE
+    rule: NoFragRule = DEFAULT_RULE
     links: Links = field(default_factory=dict)
     stale: Mapping[tuple[str, str], Decimal] = field(default_factory=dict)
+    affinity: AffinityPolicy = DEFAULT_AFFINITY
+    gpu_slot: str | None = field(default=None, compare=False)
+    blocked: Mapping[tuple[str, str], Decimal] = field(default_factory=dict)
 
     def slot_quantum(self, slot: str) -> Decimal:
         """The quantum of fractional slots; whole devices and MIG instances count in ones."""
@@ -202,43 +236,60 @@ class NodeState:
         """The headroom figures of ``slot``, on its current devices or on ``devices`` (the same
         devices after a what-if placement)."""
         rows = self.slots.get(slot, ()) if devices is None else devices
-        return summarize(rows, self.slot_quantum(slot), self.rule, unique=is_mig_slot(slot))
+        return summarize(rows, self.slot_quantum(slot), self.rule, unique=is_mig_slot(slot), affinity=self.affinity)
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready document (amounts as exact decimal strings); :meth:`from_json` reads it."""
         return {
             "quantum": str(self.quantum),
             "nofrag_rule": self.rule.value,
+            "affinity_policy": self.affinity.value,
             "slots": {
                 slot: [
-                    {"device_id": d.device_id, "capacity": str(d.capacity), "allocated": str(d.allocated)}
+                    {
+                        "device_id": d.device_id,
+                        "capacity": str(d.capacity),
+                        "allocated": str(d.allocated),
+                        "numa_node": d.numa_node,
+                    }
                     for d in devices
                 ]
                 for slot, devices in self.slots.items()
             },
             "links": [{"devices": sorted(pair), "score": score} for pair, score in self.links.items()],
             "stale": [{"device_id": d, "slot": s, "allocated": str(v)} for (d, s), v in self.stale.items()],
-        }
+        } | ({"blocked": [{"device_id": d, "slot": s, "capacity": str(v)} for (d, s), v in self.blocked.items()]}
+             if self.blocked else {})
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> NodeState:
-        """Read :meth:`to_json`'s document; raises ValueError on a malformed one."""
+        """Read :meth:`to_json`'s document; raises ValueError on a malformed one. ``numa_node``,
+        ``nofrag_rule`` and ``affinity_policy`` are optional (older documents lack the first and
+        the last): unknown, and the defaults."""
         try:
             slots = {
                 slot: tuple(
-                    DeviceFree(str(d["device_id"]), Decimal(str(d["capacity"])), Decimal(str(d["allocated"])))
+                    DeviceFree(
+                        str(d["device_id"]),
+                        Decimal(str(d["capacity"])),
+                        Decimal(str(d["allocated"])),
+                        None if d.get("numa_node") is None else int(d["numa_node"]),
+                    )
                     for d in devices
                 )
                 for slot, devices in doc["slots"].items()
             }
             links = {frozenset(map(str, link["devices"])): int(link["score"]) for link in doc.get("links", [])}
             stale = {(str(s["device_id"]), str(s["slot"])): Decimal(str(s["allocated"])) for s in doc.get("stale", [])}
+            blocked = {(str(b["device_id"]), str(b["slot"])): Decimal(str(b["capacity"])) for b in doc.get("blocked", [])}
             return cls(
                 slots,
                 Decimal(str(doc.get("quantum", "0.01"))),
-                NoFragRule(doc.get("nofrag_rule", "26.4")),
+                NoFragRule(doc.get("nofrag_rule", DEFAULT_RULE.value)),
                 links,
                 stale,
+                AffinityPolicy(doc.get("affinity_policy", DEFAULT_AFFINITY.value)),
+                blocked=blocked,
             )
         except (KeyError, TypeError, AttributeError, ArithmeticError) as exc:
             raise ValueError(f"not a node state document: {exc!r}") from None
@@ -249,17 +300,37 @@ def node_state(
     inventory: Inventory,
     params: HeadroomParams,
     liveness: Mapping[str, KernelLiveness] | None = None,
+    canonical: Callable[[str], str] | None = None,
+    ghost_memory: Mapping[str, int] | None = None,
 ) -> NodeState:
     """Devices per slot: inventory devices first (in order), then devices only allocations name.
     Devices whose capacity is unknown (fractional slot without inventory or override) are left
-    out rather than guessed."""
+    out rather than guessed.
+
+    A fractional device's capacity counts only usable memory: its total less what the driver
+    reserves and less ``ghost_memory`` (device id -> bytes held by dead processes, processes of
+    no kernel, processes of ended kernels), see :func:`~exporter.analysis.capacity.usable_capacity`.
+
+    :param canonical: an allocated device id -> the id of the device it names, as the inventory
+        spells it (:meth:`DeviceResolver.label` of what it resolves to): kernels that name one GPU
+        two ways (``GPU-<uuid>`` and ``<uuid>``) hold it once. None: ids as written.
+    """
+    spell = canonical or str
+
+    def canonical_id(device_id: str, slot: str) -> str:
+        # NVML sees only CUDA devices: another plugin's "0" is not GPU 0.
+        return spell(device_id) if slot.startswith("cuda.") else device_id
+
+    totals: dict[tuple[str, str], Decimal] = defaultdict(Decimal)
+    for (device_id, slot), amount in view.device_totals.items():
+        totals[(canonical_id(device_id, slot), slot)] += amount
     stale: dict[tuple[str, str], Decimal] = defaultdict(Decimal)
     for kernel_id, verdict in (liveness or {}).items():
         kernel = view.kernels.get(kernel_id)
         if verdict.status is Liveness.STALE and kernel is not None:
             for a in kernel.allocations:
                 if (a.device_id, a.slot) in view.device_totals:  # accelerator slots only
-                    stale[(a.device_id, a.slot)] += a.amount
+                    stale[(canonical_id(a.device_id, a.slot), a.slot)] += a.amount
 
     whole_gpu_slot = _whole_gpu_slot(view, params.mode)
     members: dict[str, list[str]] = defaultdict(list)
@@ -269,11 +340,14 @@ def node_state(
     for slot, device_id in inventory.other_devices:
         if device_id not in members[slot]:
             members[slot].append(device_id)
-    for device_id, slot in sorted(view.device_totals):
+    for device_id, slot in sorted(totals):
         if device_id not in members[slot]:
             members[slot].append(device_id)
 
     gpus = {g.device_id: g for g in inventory.gpus}
+    numa = {g.device_id: g.numa_node for g in inventory.gpus} | {m.device_id: m.numa_node for m in inventory.mig_devices}
+    ghost = ghost_memory or {}
+    blocked: dict[tuple[str, str], Decimal] = {}
     slots: dict[str, tuple[DeviceFree, ...]] = {}
     for slot, device_ids in members.items():
         rows = []
@@ -281,13 +355,25 @@ def node_state(
             capacity = device_capacity(slot, device_id, gpus.get(device_id), params.capacity)
             if capacity is None:
                 continue
-            allocated = view.device_totals.get((device_id, slot), Decimal(0))
+            gpu = gpus.get(device_id)
+            if gpu is not None and is_fractional_slot(slot):
+                unusable = gpu.memory_reserved_bytes + ghost.get(device_id, 0)
+                usable = usable_capacity(capacity, gpu.memory_total_bytes, unusable, params.capacity)
+                if usable != capacity:
+                    blocked[(device_id, slot)] = capacity - usable
+                    capacity = usable
+            allocated = totals.get((device_id, slot), Decimal(0))
             if params.exclude_stale:
                 allocated -= stale.get((device_id, slot), Decimal(0))
-            rows.append(DeviceFree(device_id, capacity, allocated))
+            rows.append(DeviceFree(device_id, capacity, allocated, numa.get(device_id)))
         if rows:
             slots[slot] = tuple(rows)
-    return NodeState(slots, params.capacity.quantum, params.rule, params.links, dict(stale))
+    return NodeState(
+        slots, params.capacity.quantum, params.rule, params.links, dict(stale), params.affinity, whole_gpu_slot, blocked
+    )
+
+
+_ZERO_D = Decimal(0)
 
 
 def _whole_gpu_slot(view: AllocationView, mode: str) -> str:
@@ -297,13 +383,28 @@ def _whole_gpu_slot(view: AllocationView, mode: str) -> str:
 
 
 def ratio_capacities(state: NodeState, inventory: Inventory) -> dict[tuple[str, str], Decimal]:
-    """(slot, device id) → what the plugin registers for it: the divisors of the ratio
-    ``gpu_alloc_map`` (26.4.8+). Counted slots from the node state; ``cuda.mem``, which plugins
-    that have it register as the device's memory, from the inventory (bytes)."""
-    capacities = {(slot, d.device_id): d.capacity for slot, rows in state.slots.items() for d in rows}
-    for gpu in inventory.gpus:
-        if gpu.memory_total_bytes:
-            capacities[("cuda.mem", gpu.device_id)] = Decimal(gpu.memory_total_bytes)
+    """(slot, device id) → the capacity the compute plugin registers: the divisors of the ratio
+    ``gpu_alloc_map`` (26.4.8+; 26.9.6 ``collect_device_capacities``).
+
+    Each device registers exactly one slot: a whole GPU the node's whole-GPU slot
+    (``cuda.shares`` or ``cuda.device``), a MIG device its profile's slot, other plugins' devices
+    theirs. Nothing registers ``cuda.mem``. An allocation under any other (slot, device), such as
+    ``cuda.device`` on a GPU handed out as shares or ``cuda.mem`` bytes, is added raw by the agent
+    (:func:`~exporter.scratch.allocation.ratio_alloc_map`). Devices only allocations name keep
+    their row: the agent registers whatever it has for them, and a whole-device row's 1 divides
+    nothing.
+    """
+    gpus = {g.device_id for g in inventory.gpus}
+    migs = {m.device_id: m.slot for m in inventory.mig_devices}
+    capacities: dict[tuple[str, str], Decimal] = {}
+    for slot, rows in state.slots.items():
+        for d in rows:
+            if d.device_id in gpus and state.gpu_slot is not None and slot != state.gpu_slot:
+                continue
+            if d.device_id in migs and slot != migs[d.device_id]:
+                continue
+            # The agent registers the whole capacity, memory held by no share included.
+            capacities[(slot, d.device_id)] = d.capacity + state.blocked.get((d.device_id, slot), _ZERO_D)
     return capacities
 
 
@@ -337,7 +438,7 @@ def headroom_figures(state: NodeState, inventory: Inventory, params: HeadroomPar
             continue
         for label, policy in (("allowed", Policy.EVENLY), ("disallowed", Policy.EVENLY_NOFRAG)):
             n = count_fits(
-                devices, request, policy, quantum=state.slot_quantum(request.slot), rule=state.rule
+                devices, request, policy, quantum=state.slot_quantum(request.slot), rule=state.rule, affinity=state.affinity
             )
             fits.append((request.slot, str(request.amount), label, n))
     creatable, reachable = [], []

@@ -8,10 +8,12 @@ pass over whatever moved since the last, coalescing any number of changes into o
   only when the snapshot or the set of allocated GPU ids changed;
 * **liveness**: stale kernels from the cgroup tree, on a usage pass, when the kernels changed
   or every :data:`STALE_CHECK_SECONDS`;
-* **usage**: process attribution and accounting, on every new telemetry sample (or interval);
+* **usage**: process attribution, ghost memory, device health and accounting, on every new
+  telemetry sample (or interval);
 * **allocation**: the node state, its headroom figures, the ratio map's divisors, allocations
-  on unknown devices and each agent's share, again whenever the view, the inventory or the
-  liveness changed: a kernel change reaches headroom in one pass, without waiting for a sample.
+  on unknown devices and each agent's share, again whenever the view, the inventory, the
+  liveness or the ghost memory per device changed: a kernel change reaches headroom in one
+  pass, without waiting for a sample.
 
 A stage whose inputs are the same objects as last time keeps its output, so a pass costs what
 changed. :func:`analyse` is the same computation as a pure function (tests, ``scan``, ``simulate``).
@@ -29,7 +31,9 @@ from pathlib import Path
 from exporter.analysis.accounting import Accountant
 from exporter.analysis.agents import AgentLayout, agent_headroom, agent_views
 from exporter.analysis.attribution import AttributionTracker
-from exporter.analysis.capacity import CapacityConfig
+from exporter.analysis.capacity import CapacityConfig, is_fractional_slot
+from exporter.analysis.ghost import GhostMemory, GhostTracker
+from exporter.analysis.health import HealthTracker
 from exporter.analysis.liveness import KernelLiveness, Liveness, classify_kernels, scan_cgroups
 from exporter.analysis.model import AgentShare, Analysis
 from exporter.analysis.node import (
@@ -40,6 +44,7 @@ from exporter.analysis.node import (
     node_state,
     ratio_capacities,
 )
+from exporter.analysis.shapes import DEFAULT_SHAPES, Shape, shape_figures
 from exporter.scratch.allocation import AllocationView
 from exporter.scratch.identity import UNDEFINED
 from exporter.telemetry.devices import DeviceResolver
@@ -71,6 +76,7 @@ class PipelineConfig:
     interval: float = 5.0
     cgroupfs: str | Path | None = None
     stale_grace: float = 300.0
+    shapes: tuple[Shape, ...] = DEFAULT_SHAPES  # --fleet.shape: request shapes judged per node
 
 
 def gpu_ids(view: AllocationView) -> frozenset[str]:
@@ -84,12 +90,43 @@ def device_join(view: AllocationView, snapshot: TelemetrySnapshot, scheme: str =
     return resolver, inventory_from_snapshot(snapshot, resolver)
 
 
+def _canonical_ids(resolver: DeviceResolver) -> Callable[[str], str]:
+    """An allocated device id -> the inventory's spelling of the device it names (itself where it
+    names none), memoised: one GPU written ``GPU-<uuid>`` by one kernel and ``<uuid>`` by another
+    is one device of the node state."""
+    memo: dict[str, str] = {}
+
+    def canonical(device_id: str) -> str:
+        out = memo.get(device_id)
+        if out is None:
+            device = resolver.resolve(device_id)
+            out = memo[device_id] = resolver.label(device) if device is not None else device_id
+        return out
+
+    return canonical
+
+
+def _short_shares(view: AllocationView, state, canonical: Callable[[str], str]) -> tuple[tuple[str, str], ...]:
+    """(kernel id, device id as allocated) of every fractional share on a device whose usable
+    memory no longer covers what is allocated there: those shares cannot all get their memory."""
+    short = {(d.device_id, slot) for slot, rows in state.slots.items() for d in rows
+             if (d.device_id, slot) in state.blocked and d.allocated > d.capacity}
+    if not short:
+        return ()
+    return tuple(sorted({(k.kernel_id, a.device_id) for k in view.kernels.values() for a in k.allocations
+                         if is_fractional_slot(a.slot) and a.amount and (canonical(a.device_id), a.slot) in short}))
+
+
 def _allocation_stage(
     view: AllocationView, snapshot: TelemetrySnapshot, resolver: DeviceResolver, inventory: Inventory,
     params: HeadroomParams, layout: AgentLayout, liveness: Mapping[str, KernelLiveness],
+    ghost: Mapping[str, int] | None = None,
+    shapes: tuple[Shape, ...] = DEFAULT_SHAPES,
 ) -> dict:
-    """The fields of :class:`Analysis` that follow the allocation: node state and figures."""
-    state = node_state(view, inventory, params, liveness)
+    """The fields of :class:`Analysis` that follow the allocation: node state and figures
+    (``ghost``: device id -> ghost bytes, which headroom leaves out)."""
+    canonical = _canonical_ids(resolver)
+    state = node_state(view, inventory, params, liveness, canonical, ghost)
     unknown = None
     if snapshot.devices:  # without an inventory nothing can be judged unknown
         unknown = {
@@ -100,7 +137,7 @@ def _allocation_stage(
     agents = {}
     if layout.multi_agent:
         for agent_id, own in agent_views(view, layout).items():
-            own_state = node_state(own, inventory, params, liveness)
+            own_state = node_state(own, inventory, params, liveness, canonical, ghost)
             agents[agent_id] = AgentShare(own, agent_headroom(state, own_state, layout, agent_id))
     return {
         "state": state,
@@ -108,6 +145,8 @@ def _allocation_stage(
         "ratio_capacities": ratio_capacities(state, inventory),
         "unknown_devices": unknown,
         "agents": agents,
+        "short_shares": _short_shares(view, state, canonical),
+        "shapes": shape_figures(state, shapes, params.exclude_stale),
     }
 
 
@@ -119,13 +158,14 @@ def analyse(
     layout: AgentLayout = _SINGLE,
     scheme: str = "auto",
     liveness: Mapping[str, KernelLiveness] | None = None,
+    shapes: tuple[Shape, ...] = DEFAULT_SHAPES,
 ) -> Analysis:
     """One read model of ``view`` and ``snapshot``, without the usage stage (no attribution or
     accounting: those integrate over samples): what ``scan``, ``simulate`` and tests read."""
     snapshot = snapshot or TelemetrySnapshot(source="none")
     resolver, inventory = device_join(view, snapshot, scheme)
     liveness = liveness or {}
-    fields = _allocation_stage(view, snapshot, resolver, inventory, params, layout, liveness)
+    fields = _allocation_stage(view, snapshot, resolver, inventory, params, layout, liveness, shapes=shapes)
     return Analysis(view=view, snapshot=snapshot, resolver=resolver, inventory=inventory, layout=layout,
                     liveness=liveness, **fields)
 
@@ -137,6 +177,8 @@ class AnalysisPipeline:
     :param telemetry: the sampler's (version, latest snapshot).
     :param tracker: process attribution, kept across passes (it integrates idle windows).
     :param accountant: GPU accounting, kept across passes (it integrates counters).
+    :param ghost: ghost memory, kept across passes (it remembers PIDs and ended kernels).
+    :param health: device health, kept across passes (it latches faults until their remedy).
     :param clock: unix time (staleness); ``monotonic``: seconds for intervals.
     """
 
@@ -148,6 +190,8 @@ class AnalysisPipeline:
         *,
         tracker: AttributionTracker | None = None,
         accountant: Accountant | None = None,
+        ghost: GhostTracker | None = None,
+        health: HealthTracker | None = None,
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -156,6 +200,8 @@ class AnalysisPipeline:
         self._telemetry = telemetry
         self._tracker = tracker
         self._accountant = accountant
+        self._ghost = ghost
+        self._health = health
         self._clock = clock
         self._monotonic = monotonic
         self._model: Analysis | None = None
@@ -232,9 +278,11 @@ class AnalysisPipeline:
                 changes.update(self._usage(prev, view, snapshot, resolver, now))
                 self._next_usage = now + self.config.interval
             liveness = changes.get("liveness", prev.liveness if prev else {})
-            if prev is None or view is not prev.view or inventory != prev.inventory or liveness is not prev.liveness:
+            ghost = changes.get("ghost_totals", prev.ghost_totals if prev else {})
+            if (prev is None or view is not prev.view or inventory != prev.inventory or liveness is not prev.liveness
+                    or ghost != prev.ghost_totals):
                 changes.update(_allocation_stage(view, snapshot, resolver, inventory, self.config.params,
-                                                 self.config.layout, liveness))
+                                                 self.config.layout, liveness, ghost, self.config.shapes))
                 changes["headroom_version"] = prev.headroom_version + 1 if prev else 1
             self._model = replace(prev, **changes) if prev else Analysis(layout=self.config.layout, **changes)
             return self._model
@@ -273,11 +321,27 @@ class AnalysisPipeline:
                 log.exception("process attribution failed")
         if self._accountant is not None:
             try:
-                out["accounting"] = self._accountant.update(view.kernels.values(), snapshot, resolver, capacity, attribution)
+                out["accounting"] = self._accountant.update(view.kernels.values(), snapshot, resolver, capacity, attribution,
+                                                                version=view.version)
             except Exception:
                 log.exception("GPU accounting failed")
                 out["accounting"] = None
         out["attribution"] = attribution
+        if self._ghost is not None:
+            try:
+                ghost: GhostMemory | None = self._ghost.update(attribution, view.kernels, out.get("liveness", before))
+            except Exception:
+                log.exception("ghost memory check failed")
+                ghost = None
+            out["ghost"] = ghost
+            totals = ghost.totals() if ghost is not None else {}
+            previous = prev.ghost_totals if prev else {}
+            out["ghost_totals"] = previous if totals == previous else totals
+        if self._health is not None:
+            try:
+                out["health"] = self._health.update(snapshot, view.kernels, resolver)
+            except Exception:
+                log.exception("device health check failed")
         return out
 
     def _log_stale_changes(self, before: Mapping[str, KernelLiveness], after: Mapping[str, KernelLiveness]) -> None:

@@ -10,6 +10,11 @@ devices with at least ``MIN_FREE`` (0.01) free, computes in hundredths, and fina
 per-device amount down to the plugin's quantum, so a kernel can receive less than it asked. With
 fragmentation disallowed, ``ensure_slot_not_fragmented`` (:func:`nofrag_rejection`) runs first.
 
+The agent always allocates with an affinity hint (``resources.allocate()``), so the devices reach
+the allocator grouped by NUMA node (:func:`numa_chain`): one list per node, each sorted by free
+space, the least-allocated node first, chained or interleaved by ``[resource] affinity-policy``.
+Which allocator then runs depends on the agent's release (:class:`NoFragRule`).
+
 Policies:
 
 ``evenly`` / ``evenly-nofrag``
@@ -32,17 +37,21 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from decimal import ROUND_DOWN, Decimal
 from enum import Enum
 from operator import itemgetter
+from typing import TypeVar
 
 from exporter.analysis.capacity import is_device_slot, is_fractional_slot, is_mig_slot
 
 __all__ = [
+    "DEFAULT_AFFINITY",
+    "DEFAULT_RULE",
     "MIN_FREE",
     "P2P_SCORES",
+    "AffinityPolicy",
     "DeviceFree",
     "Links",
     "NoFragRule",
@@ -54,13 +63,17 @@ __all__ = [
     "evenly",
     "link_score",
     "nofrag_rejection",
+    "numa_chain",
+    "numa_clusters",
     "place",
     "round_down",
 ]
 
 _DIGITS = Decimal("0.01")  # FractionAllocMap.digits: the agent computes in hundredths
 _ONE = Decimal(1)
+_ZERO = Decimal(0)
 MIN_FREE = Decimal("0.01")  # FractionAllocMap.allocate(min_memory=...) default
+T = TypeVar("T")
 
 
 def round_down(value: Decimal, quantum: Decimal) -> Decimal:
@@ -73,11 +86,17 @@ def round_down(value: Decimal, quantum: Decimal) -> Decimal:
 
 @dataclass(frozen=True, slots=True)
 class DeviceFree:
-    """One device of one slot: capacity and the sum of what kernels hold on it (slot units)."""
+    """One device of one slot: capacity and the sum of what kernels hold on it (slot units).
+
+    :param numa_node: the device's NUMA node (the plugin's ``numa_node``, NVML
+        ``nvmlDeviceGetNumaNodeId``), or None when unknown; devices with the same value form one
+        of the agent's device clusters, unknown ones included.
+    """
 
     device_id: str
     capacity: Decimal
     allocated: Decimal
+    numa_node: int | None = None
 
     @property
     def free(self) -> Decimal:
@@ -91,41 +110,114 @@ class DeviceFree:
 
 
 class NoFragRule(str, Enum):
-    """Which ``ensure_slot_not_fragmented`` the agent runs when fragmentation is disallowed."""
+    """Which release of the agent's ``FractionAllocMap`` to follow: its fragmentation guard
+    (``ensure_slot_not_fragmented``) and its EVENLY allocator.
 
-    SINGLE_DEVICE = "before-26.4"  # the request must fit on the freest device
-    MULTI_DEVICE = "26.4"  # #10477: equal quantized parts over n devices are fine
+    ``before-26.4``: the guard wants the request on the first device of the NUMA chain; EVENLY
+    walks the chain as it comes. ``26.4`` (#10477; 26.4.0 to 26.8.x, and the 25.15 / 26.2 / 26.3
+    backports): the guard takes its capacity ``C`` from the chain's first device and accepts
+    equal quantized parts over ``n >= ceil(R/C)`` devices; EVENLY as before, which can hand a
+    device more than it has free when the chain is not in free order. ``26.9``: the same guard;
+    EVENLY sorts the devices by free space, tries one candidate per NUMA node plus one over all
+    devices, prefers the NUMA-local one on ties, and never overfills a device.
+    """
+
+    SINGLE_DEVICE = "before-26.4"
+    MULTI_DEVICE = "26.4"
+    NUMA_CANDIDATES = "26.9"
 
 
-def _by_free(devices: Sequence[DeviceFree]) -> list[DeviceFree]:
-    # Stable, as upstream's sorted(..., reverse=True): equal frees keep inventory order.
+DEFAULT_RULE = NoFragRule.NUMA_CANDIDATES
+
+
+class AffinityPolicy(str, Enum):
+    """The agent's ``[resource] affinity-policy``: how the NUMA nodes' device lists are joined for
+    a kernel's first accelerator slot (``AffinityMap``/``get_current_allocations``)."""
+
+    INTERLEAVED = "INTERLEAVED"  # round robin over the nodes (the agent's default since 25.12)
+    PREFER_SINGLE_NODE = "PREFER_SINGLE_NODE"  # one node after the other
+
+
+DEFAULT_AFFINITY = AffinityPolicy.INTERLEAVED
+
+
+def _by_free(devices: Iterable[DeviceFree]) -> list[DeviceFree]:
+    # Stable, as upstream's sorted(..., reverse=True): equal frees keep their incoming order.
     return sorted(devices, key=lambda d: d.free, reverse=True)
 
 
-def nofrag_rejection(devices: Sequence[DeviceFree], request: Decimal, quantum: Decimal, rule: NoFragRule) -> str | None:
-    """Why the fragmentation guard rejects ``request``, or None when it lets it through.
+def numa_clusters(devices: Sequence[DeviceFree]) -> list[list[DeviceFree]]:
+    """The agent's device clusters for a slot's first allocation: one per NUMA node, the
+    least-allocated node first, each sorted by free space (``_get_device_clusters``).
 
-    26.4 rule, with ``C`` the capacity of the freest device ("a single node with homogeneous
-    devices" upstream assumes): ``R <= C`` must fit on one device; otherwise for ``n`` from
-    ``ceil(R/C)`` up to the device count, every device gets ``D = round_down(R/n, q)`` and
-    ``ceil((R - D*n)/q)`` of them ``D + q``; accepted as soon as enough devices have that much free.
+    ``AffinityMap`` joins devices of equal ``numa_node`` (weight 0) into connected components in
+    the order their first device is enumerated; they are ordered larger first, then (stably) by
+    the sum of what is allocated on them.
     """
-    ordered = _by_free(devices)
-    if not ordered:
+    groups: dict[int | None, list[DeviceFree]] = {}
+    for d in devices:
+        groups.setdefault(d.numa_node, []).append(d)
+    clusters = sorted(groups.values(), key=lambda group: -len(group))
+    clusters.sort(key=lambda group: sum((d.allocated for d in group), _ZERO))
+    return [_by_free(group) for group in clusters]
+
+
+def _join(clusters: Sequence[Sequence[T]], affinity: AffinityPolicy) -> list[T]:
+    if affinity is AffinityPolicy.PREFER_SINGLE_NODE:
+        return [d for cluster in clusters for d in cluster]
+    # more_itertools.interleave_longest: one from each node in turn, skipping exhausted ones.
+    return [d for row in itertools.zip_longest(*clusters) for d in row if d is not None]
+
+
+def numa_chain(devices: Sequence[DeviceFree], affinity: AffinityPolicy = DEFAULT_AFFINITY) -> list[DeviceFree]:
+    """The order the agent hands a slot's devices to its allocator (``get_current_allocations``
+    with the hint ``resources.allocate()`` always passes): :func:`numa_clusters` chained or
+    interleaved. On a node with one NUMA node (or none known) it is simply by free space."""
+    return _join(numa_clusters(devices), affinity)
+
+
+def nofrag_rejection(
+    devices: Sequence[DeviceFree],
+    request: Decimal,
+    quantum: Decimal,
+    rule: NoFragRule = DEFAULT_RULE,
+    affinity: AffinityPolicy = DEFAULT_AFFINITY,
+) -> str | None:
+    """Why ``ensure_slot_not_fragmented`` rejects ``request``, or None when it lets it through.
+
+    It looks at every device in :func:`numa_chain` order. ``before-26.4``: the chain's first
+    device must hold the request. ``26.4`` and ``26.9``, with ``C`` the capacity of the chain's
+    first device (upstream assumes "a single node with homogeneous devices"): for ``n`` from
+    ``ceil(R/C)`` (only ``n = 1`` when ``R <= C``) up to the device count, every part is
+    ``D = round_down(R/n, q)`` and ``ceil((R - D*n)/q)`` of them ``D + q``; accepted as soon as
+    enough devices have that much free.
+    """
+    chain = numa_chain(devices, affinity)
+    if not chain:
         return "no devices"
-    most_free = ordered[0]
-    if most_free.capacity <= 0:
+    first = chain[0]
+    if rule is NoFragRule.SINGLE_DEVICE:
+        if first.free >= request:
+            return None
+        return f"{request} does not fit on the first device the agent tries ({first.device_id}, {first.free} free)"
+    capacity = first.capacity
+    if capacity <= 0:
         return "no capacity"
-    if rule is NoFragRule.SINGLE_DEVICE or request <= most_free.capacity:
-        if request <= most_free.free:
+    frees = [d.free for d in chain]
+    smallest = math.ceil(request / capacity)
+    largest = smallest if request <= capacity else len(frees)
+    need = request
+    for n in range(smallest, largest + 1):
+        part = round_down(request / Decimal(n), quantum)
+        shortfall = request - part * n
+        bigger = math.ceil(shortfall / quantum) if shortfall > 0 else 0
+        high = sum(f >= part + quantum for f in frees)
+        low = sum(part <= f < part + quantum for f in frees)
+        if high >= bigger and high + low >= n:
             return None
-        return f"{request} does not fit on one device (largest free {most_free.free})"
-    frees = [d.free for d in ordered]
-    for n in range(math.ceil(request / most_free.capacity), len(frees) + 1):
-        part = round_down(request / n, quantum)
-        bigger = math.ceil((request - part * n) / quantum)
-        if sum(f >= part for f in frees) >= n and sum(f >= part + quantum for f in frees) >= bigger:
-            return None
+        need = part + quantum if bigger else part
+    if request <= capacity:
+        return f"{request} is within one device's capacity ({capacity}) and no device has {need} free"
     return f"{request} cannot be split into equal parts over devices with enough free"
 
 
@@ -214,29 +306,30 @@ def place(
     policy: Policy,
     *,
     quantum: Decimal = Decimal("0.01"),
-    rule: NoFragRule = NoFragRule.MULTI_DEVICE,
+    rule: NoFragRule = DEFAULT_RULE,
+    affinity: AffinityPolicy = DEFAULT_AFFINITY,
     links: Links | None = None,
 ) -> Result:
     """Place ``request`` on ``devices`` (all of ``request.slot``, in inventory order).
 
     :param quantum: the plugin's ``quantum_size`` for fractional slots (ignored otherwise).
-    :param rule: which fragmentation guard ``evenly-nofrag`` applies.
+    :param rule: which agent release ``evenly`` and ``evenly-nofrag`` follow.
+    :param affinity: the agent's ``affinity-policy`` (how NUMA nodes are joined).
     :param links: pair scores for ``besteffort``; None or empty falls back to ``simple``.
     """
     links = links or {}
     slot = request.slot
     if is_fractional_slot(slot):
-        if policy is Policy.EVENLY:
-            return evenly(devices, request.amount, quantum)
-        if policy is Policy.EVENLY_NOFRAG:
-            return evenly(devices, request.amount, quantum, rule)
+        if policy in (Policy.EVENLY, Policy.EVENLY_NOFRAG):
+            guarded = policy is Policy.EVENLY_NOFRAG
+            return evenly(devices, request.amount, quantum, rule, guarded=guarded, affinity=affinity)
         return _equal_parts(devices, request.amount, quantum, _CHOOSERS[policy], links)
     if is_mig_slot(slot) and request.amount != _ONE:
         return Rejection("invalid-request", f"MIG slot {slot} is UNIQUE: request exactly 1")
     if is_device_slot(slot) or is_mig_slot(slot):
         if request.amount != request.amount.to_integral_value():
             return Rejection("invalid-request", f"{slot} counts whole devices: {request.amount} is not an integer")
-        return _whole_devices(devices, int(request.amount), policy, links)
+        return _whole_devices(devices, int(request.amount), policy, links, affinity)
     return Rejection("invalid-request", f"{slot} is not an accelerator slot with per-device capacity")
 
 
@@ -248,103 +341,191 @@ def apply_placement(devices: Sequence[DeviceFree], placement: Placement) -> list
 # --- Backend.AI FractionAllocMap EVENLY -------------------------------------------------------
 
 
-def evenly(devices: Sequence[DeviceFree], amount: Decimal, quantum: Decimal, rule: NoFragRule | None = None) -> Result:
-    """Backend.AI's fractional allocation: ``FractionAllocMap._allocate_evenly`` followed by
-    ``allocate()``'s rounding of every part down to ``quantum``.
+def evenly(
+    devices: Sequence[DeviceFree],
+    amount: Decimal,
+    quantum: Decimal,
+    rule: NoFragRule = DEFAULT_RULE,
+    *,
+    guarded: bool = False,
+    affinity: AffinityPolicy = DEFAULT_AFFINITY,
+) -> Result:
+    """Backend.AI's fractional allocation as ``resources.allocate()`` runs it: the devices in
+    :func:`numa_chain` order, ``FractionAllocMap._allocate_evenly`` of the ``rule``'s release,
+    then ``allocate()``'s rounding of every part down to ``quantum``.
 
-    :param rule: when given, fragmentation is disallowed and ``ensure_slot_not_fragmented`` under
-        that rule runs first.
+    :param guarded: fragmentation disallowed: ``ensure_slot_not_fragmented`` runs first.
     """
-    if rule is not None:
-        reason = nofrag_rejection(devices, amount, quantum, rule)
+    if guarded:
+        reason = nofrag_rejection(devices, amount, quantum, rule, affinity)
         if reason is not None:
             return Rejection("fragmented", f"ensure_slot_not_fragmented ({rule.value} rule): {reason}")
-    candidates = [d for d in _by_free(devices) if d.free >= MIN_FREE]
-    total = sum((d.free for d in candidates), Decimal(0))
-    if not candidates or total.quantize(_DIGITS) < amount.quantize(_DIGITS):
-        return Rejection("insufficient", f"{amount} requested, {total} free on devices with at least {MIN_FREE}")
-    if amount <= candidates[0].free:
-        # Fits on one device: the smallest one that still fits (best fit).
-        chosen = next(d for d in reversed(candidates) if amount <= d.free)
-        raw = {chosen.device_id: amount.quantize(_DIGITS)}
+    # (device id, free) pairs, as upstream's (device id, allocated) with its allocatable amount.
+    clusters = [[(d.device_id, d.free) for d in cluster] for cluster in numa_clusters(devices)]
+    chain = _join(clusters, affinity)
+    if rule is NoFragRule.NUMA_CANDIDATES:
+        raw = _evenly_numa(clusters, chain, amount)
     else:
-        raw = _evenly_across(candidates, amount)
+        raw = _evenly_chain(chain, amount)
+    if raw is None:
+        total = sum((free for _, free in chain if free >= MIN_FREE), _ZERO)
+        return Rejection("insufficient", f"{amount} requested, {total} free on devices with at least {MIN_FREE}")
     amounts = {dev: round_down(value, quantum) for dev, value in raw.items()}
     amounts = {dev: value for dev, value in amounts.items() if value > 0}
     if not amounts:
         return Rejection("below-quantum", f"{amount} rounds down to 0 with quantum {quantum}")
-    got = sum(amounts.values(), Decimal(0))
-    note = f"quantum {quantum} rounds {amount} down to {got}" if got != amount else ""
-    return Placement(amounts, note)
+    got = sum(amounts.values(), _ZERO)
+    notes = [f"quantum {quantum} rounds {amount} down to {got}"] if got != amount else []
+    # The 26.4 allocator walks the NUMA chain as it comes and can give a device more than it has.
+    frees = dict(chain)
+    notes += [f"{dev} receives {value} with {frees[dev]} free" for dev, value in amounts.items() if value > frees[dev]]
+    return Placement(amounts, "; ".join(notes))
 
 
-def _evenly_across(candidates: list[DeviceFree], amount: Decimal) -> dict[str, Decimal]:
-    """The multi-device branch: try windows of the free-sorted candidates, from the fewest devices
-    that hold the request up to all, and keep the most even split (then fewer devices)."""
-    needed, held = 0, Decimal(0)
-    for d in candidates:
+Pair = tuple[str, Decimal]  # (device id, free)
+Rank = tuple[Decimal, int, int]
+Across = Callable[[Sequence[Pair], Decimal], dict[str, Decimal]]
+_free_of = itemgetter(1)
+
+
+def _pairs_by_free(pairs: Iterable[Pair]) -> list[Pair]:
+    return sorted(pairs, key=_free_of, reverse=True)  # stable: equal frees keep the chain's order
+
+
+def _evenly_numa(clusters: list[list[Pair]], chain: list[Pair], amount: Decimal) -> dict[str, Decimal] | None:
+    """26.9: the tightest single device that holds the request; else the best candidate of one
+    search per NUMA node and one over all devices, ranked by (evenness, fewer devices, NUMA
+    locality: the earlier node first, all devices last)."""
+    usable = _pairs_by_free(p for p in chain if p[1] >= MIN_FREE)
+    for device_id, free in reversed(usable):
+        if amount <= free:
+            return {device_id: amount.quantize(_DIGITS)}
+    candidates = [
+        _search(_pairs_by_free(p for p in cluster if p[1] >= MIN_FREE), amount, _across_pending, len(clusters) - idx)
+        for idx, cluster in enumerate(clusters)
+    ]
+    candidates.append(_search(usable, amount, _across_pending, 0))
+    found = [c for c in candidates if c is not None]
+    if not found:
+        return None
+    return max(found, key=itemgetter(0))[1]  # the first of equal ranks, as upstream's max()
+
+
+def _evenly_chain(chain: list[Pair], amount: Decimal) -> dict[str, Decimal] | None:
+    """Before 26.9: the usable devices in chain order (free order only within a NUMA node); one
+    device when the first one holds the request (the last in the chain that does), else the
+    windows of the chain."""
+    usable = [p for p in chain if p[1] >= MIN_FREE]
+    if not usable:
+        return None  # upstream raises InsufficientResource (or fails on the empty list)
+    if amount <= usable[0][1]:  # then the total holds it too: upstream's total check passes
+        device_id = next(dev for dev, free in reversed(usable) if amount <= free)
+        return {device_id: amount.quantize(_DIGITS)}
+    found = _search(usable, amount, _across_from_end, 0)
+    return None if found is None else found[1]
+
+
+def _search(rows: list[Pair], amount: Decimal, across: Across, numa_local: int) -> tuple[Rank, dict[str, Decimal]] | None:
+    """``_search_best_allocation`` (26.9) / the multi-device branch before it, over usable
+    devices (sorted by free from 26.9 on, in chain order before): windows of ``rows``, from the
+    fewest that hold the request up to all, the most even split of each size (the last window
+    among equals), then the best size by (evenness, fewer devices).
+
+    Upstream also ranks by a fragmentation count that is always 0 at the agent's ``min_memory``
+    (it counts leftovers strictly between 0.01 and 0.01), and stops early when evenness equals
+    +0.01, which an evenness <= 0 never does; both are left out.
+    """
+    if not rows:
+        return None
+    frees = [free for _, free in rows]
+    want = amount.quantize(_DIGITS)
+    if sum(frees, _ZERO).quantize(_DIGITS) < want:
+        return None
+    needed, held = 0, _ZERO
+    for free in frees:
         needed += 1
-        held += d.free
-        if held.quantize(_DIGITS) >= amount.quantize(_DIGITS):
+        held += free
+        if held.quantize(_DIGITS) >= want:
             break
-    best = []
-    for size in range(needed, len(candidates) + 1):
-        window_free = sum((d.free for d in candidates[:size]), Decimal(0))
-        split = _split_window(candidates[:size], amount)
-        top_evenness = _evenness(split)
-        options = [(split, top_evenness, -len(split))]
-        for start in range(1, len(candidates) - size + 1):
-            window_free += candidates[start + size - 1].free - candidates[start - 1].free
-            if window_free.quantize(_DIGITS) < amount.quantize(_DIGITS):
+    best: list[tuple[Rank, dict[str, Decimal]]] = []
+    for size in range(needed, len(rows) + 1):
+        window_free = sum(frees[:size], _ZERO)
+        chosen = across(rows[:size], amount)
+        top = chosen_evenness = _evenness(chosen)
+        for start in range(1, len(rows) - size + 1):
+            window_free += frees[start + size - 1] - frees[start - 1]
+            if window_free.quantize(_DIGITS) < want:
                 break
-            split = _split_window(candidates[start : start + size], amount)
+            split = across(rows[start : start + size], amount)
             evenness = _evenness(split)
             # Later windows hold less, so evenness only gets worse from here.
-            if evenness < top_evenness:
+            if evenness < top:
                 break
-            options.append((split, evenness, -len(split)))
-        # Upstream sorts by device count only; the stable sort keeps the last window on ties.
-        best.append(sorted(options, key=itemgetter(2))[-1])
-    # Upstream also ranks by a fragmentation count that is always 0 with the default min_memory
-    # (it counts leftovers strictly between 0.01 and 0.01), and stops early when evenness equals
-    # +0.01, which an evenness <= 0 never does; both are left out.
-    return sorted(best, key=itemgetter(1, 2))[-1][0]
+            chosen, chosen_evenness = split, evenness  # the last window that is no less even
+        best.append(((chosen_evenness, -len(chosen), numa_local), chosen))
+    return sorted(best, key=itemgetter(0))[-1]  # stable: the last of equal ranks, as upstream
 
 
-def _split_window(window: list[DeviceFree], amount: Decimal) -> dict[str, Decimal]:
-    """``allocate_across_devices``: devices too small for an even share give all they have (from
-    the smallest up); the rest share the remainder evenly in hundredths."""
+def _across_pending(window: Sequence[Pair], amount: Decimal) -> dict[str, Decimal]:
+    """26.9 ``_allocate_across_devices``: while the least free device cannot hold an even share,
+    it gives all it has; the rest share the remainder. Never more than a device has free."""
+    split: dict[str, Decimal] = {}
+    remaining = amount.normalize()
+    pending = list(window)
+    while pending:
+        device_id, free = min(pending, key=_free_of)  # the first of equals, as upstream's min()
+        if free >= remaining / len(pending):
+            break
+        split[device_id] = free.quantize(_DIGITS)
+        remaining -= free
+        pending = [p for p in pending if p[0] != device_id]
+    _distribute(pending, remaining, split)
+    return split
+
+
+def _across_from_end(window: Sequence[Pair], amount: Decimal) -> dict[str, Decimal]:
+    """Before 26.9: devices give all they have from the window's end while the one there cannot
+    hold an even share; the window is assumed sorted by free, which a NUMA chain is not, so a
+    device before it can receive more than it has."""
     split: dict[str, Decimal] = {}
     remaining = amount.normalize()
     count = len(window)
     while count > 0:
-        smallest = window[count - 1]
-        if smallest.free >= remaining / count:
+        device_id, free = window[count - 1]
+        if free >= remaining / count:
             break
-        split[smallest.device_id] = smallest.free.quantize(_DIGITS)
-        remaining -= smallest.free
+        split[device_id] = free.quantize(_DIGITS)
+        remaining -= free
         count -= 1
-    if count > 0:
-        share = (remaining / count).quantize(_DIGITS, rounding=ROUND_DOWN)
-        for d in window[:count]:
-            split[d.device_id] = share
-        # Leftover hundredths go to the first (freest) devices of the window.
-        for d in window[: round(remaining * 100 - share * count * 100)]:
-            split[d.device_id] += _DIGITS
+    _distribute(window[:count], remaining, split)
     return split
+
+
+def _distribute(pairs: Sequence[Pair], remaining: Decimal, split: dict[str, Decimal]) -> None:
+    """``_distribute_evenly``: equal hundredths, the leftover hundredths to the first devices."""
+    if not pairs:
+        return
+    share = (remaining / len(pairs)).quantize(_DIGITS, rounding=ROUND_DOWN)
+    for device_id, _ in pairs:
+        split[device_id] = share
+    for device_id, _ in pairs[: round(remaining * 100 - share * len(pairs) * 100)]:
+        split[device_id] += _DIGITS
 
 
 def _evenness(split: Mapping[str, Decimal]) -> Decimal:
     values = sorted(split.values())
-    return -sum((b - a for a, b in itertools.pairwise(values)), Decimal(0).quantize(_DIGITS))
+    return -sum((b - a for a, b in itertools.pairwise(values)), _ZERO.quantize(_DIGITS))
 
 
 # --- whole devices and MIG instances ----------------------------------------------------------
 
 
-def _whole_devices(devices: Sequence[DeviceFree], count: int, policy: Policy, links: Links) -> Result:
-    # DiscretePropertyAllocMap EVENLY walks the free-sorted devices; the others take inventory order.
-    ordered = _by_free(devices) if policy in (Policy.EVENLY, Policy.EVENLY_NOFRAG) else list(devices)
+def _whole_devices(
+    devices: Sequence[DeviceFree], count: int, policy: Policy, links: Links, affinity: AffinityPolicy
+) -> Result:
+    # DiscretePropertyAllocMap EVENLY hands one device each to the first free devices of the NUMA
+    # chain; the others take inventory order.
+    ordered = numa_chain(devices, affinity) if policy in (Policy.EVENLY, Policy.EVENLY_NOFRAG) else list(devices)
     free = [d for d in ordered if d.free >= _ONE]
     if len(free) < count:
         return Rejection("insufficient", f"{count} whole devices requested, {len(free)} free")

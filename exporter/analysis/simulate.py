@@ -19,6 +19,9 @@ from typing import Any
 from exporter.analysis.headroom import SlotHeadroom
 from exporter.analysis.node import NodeState
 from exporter.analysis.placement import (
+    DEFAULT_AFFINITY,
+    DEFAULT_RULE,
+    AffinityPolicy,
     DeviceFree,
     NoFragRule,
     Placement,
@@ -35,7 +38,8 @@ __all__ = ["SimulationResult", "format_table", "load_state", "parse_request", "p
 
 @dataclass(frozen=True)
 class SimulationResult:
-    """One what-if: the outcome, the slot's devices and its headroom before and after."""
+    """One what-if: the outcome, the slot's devices and its headroom before and after, and the
+    agent release (``rule``) and ``affinity-policy`` the allocator and the figures followed."""
 
     request: Request
     policy: Policy
@@ -43,6 +47,8 @@ class SimulationResult:
     devices: tuple[DeviceFree, ...]  # before the placement, inventory order
     before: SlotHeadroom | None  # None when the node has no device of the slot
     after: SlotHeadroom | None  # None when rejected
+    rule: NoFragRule = DEFAULT_RULE
+    affinity: AffinityPolicy = DEFAULT_AFFINITY
 
     @property
     def placed(self) -> bool:
@@ -76,12 +82,18 @@ def simulate(
         others = ", ".join(sorted(state.slots)) or "none"
         detail = f"no device of slot {request.slot} on this node (its slots: {others})"
         outcome: Placement | Rejection = Rejection("no-devices", detail)
-        return SimulationResult(request, policy, outcome, (), None, None)
+        return SimulationResult(request, policy, outcome, (), None, None, state.rule, state.affinity)
     outcome = place(
-        devices, request, policy, quantum=state.slot_quantum(request.slot), rule=state.rule, links=state.links
+        devices,
+        request,
+        policy,
+        quantum=state.slot_quantum(request.slot),
+        rule=state.rule,
+        affinity=state.affinity,
+        links=state.links,
     )
     after = state.summary(request.slot, apply_placement(devices, outcome)) if isinstance(outcome, Placement) else None
-    return SimulationResult(request, policy, outcome, devices, state.summary(request.slot), after)
+    return SimulationResult(request, policy, outcome, devices, state.summary(request.slot), after, state.rule, state.affinity)
 
 
 def load_state(path: str | Path) -> NodeState:
@@ -103,6 +115,7 @@ def load_state(path: str | Path) -> NodeState:
 
 _MAX_STATE_BYTES = 64 << 20  # a 10,000-kernel node's /api/v1/state is a few MiB
 _RULES = ", ".join(r.value for r in NoFragRule)
+_AFFINITIES = ", ".join(a.value for a in AffinityPolicy)
 
 
 def parse_state(text: str) -> NodeState:
@@ -132,8 +145,10 @@ def parse_state(text: str) -> NodeState:
         quantum = _amount(doc["quantum"], f"{where}quantum")
         if quantum == 0:
             raise ValueError(f"{where}quantum must be positive")
-    if doc.get("nofrag_rule", "26.4") not in {r.value for r in NoFragRule}:
+    if doc.get("nofrag_rule", DEFAULT_RULE.value) not in {r.value for r in NoFragRule}:
         raise ValueError(f"{where}nofrag_rule must be one of {_RULES}")
+    if doc.get("affinity_policy", DEFAULT_AFFINITY.value) not in {a.value for a in AffinityPolicy}:
+        raise ValueError(f"{where}affinity_policy must be one of {_AFFINITIES}")
     for key, fields in (("links", ("devices", "score")), ("stale", ("device_id", "slot", "allocated"))):
         entries = doc.get(key, [])
         if not isinstance(entries, list):
@@ -152,6 +167,10 @@ def _check_entry(entry: Any, where: str, fields: tuple[str, ...]) -> None:
     for name in ("capacity", "allocated"):
         if name in fields:
             _amount(entry[name], f"{where}.{name}")
+    if "capacity" in fields and entry.get("numa_node") is not None:
+        numa = entry["numa_node"]
+        if isinstance(numa, bool) or not isinstance(numa, int) or numa < 0:
+            raise ValueError(f"{where}.numa_node is not a non-negative integer or null")
     if "devices" in fields and not (isinstance(entry["devices"], list) and len(entry["devices"]) == 2):
         raise ValueError(f"{where}.devices is not a pair of device ids")
     if "score" in fields and (isinstance(entry["score"], bool) or not isinstance(entry["score"], int)):
@@ -183,24 +202,35 @@ def result_document(result: SimulationResult) -> dict[str, Any]:
     outcome = result.outcome
     placed = outcome.amounts if isinstance(outcome, Placement) else {}
     return {
-        "request": {"slot": result.request.slot, "amount": str(result.request.amount)},
+        "request": {"slot": result.request.slot, "amount": _amount_text(result.request.amount)},
         "policy": result.policy.value,
+        "nofrag_rule": result.rule.value,
+        "affinity_policy": result.affinity.value,
         "placed": result.placed,
-        "placement": {d: str(v) for d, v in placed.items()},
-        "total": str(outcome.total) if isinstance(outcome, Placement) else "0",
+        "placement": {d: _amount_text(v) for d, v in placed.items()},
+        "total": _amount_text(outcome.total) if isinstance(outcome, Placement) else "0",
         "note": outcome.note if isinstance(outcome, Placement) else "",
         "rejection": {"reason": outcome.reason, "detail": outcome.detail} if isinstance(outcome, Rejection) else None,
         "devices": [
             {
                 "device_id": d.device_id,
-                "capacity": str(d.capacity),
-                "allocated": str(d.allocated),
-                "placed": str(placed.get(d.device_id, Decimal(0))),
+                "capacity": _amount_text(d.capacity),
+                "allocated": _amount_text(d.allocated),
+                "numa_node": d.numa_node,
+                "placed": _amount_text(placed.get(d.device_id, Decimal(0))),
             }
             for d in result.devices
         ],
         "headroom": {"before": _figures(result.before), "after": _figures(result.after)},
     }
+
+
+def _amount_text(value: Decimal) -> str:
+    """An amount as an exact decimal string. A quotient (a capacity from memory and SMs, an even
+    split) can carry Decimal's 28 digits of trailing zeros ("11.96000000000000000000000000"):
+    beyond the 9 places an amount may have, the zeros go; a value written with fewer places
+    keeps them as written ("12.00")."""
+    return str(value) if value.as_tuple().exponent >= -9 else format(value.normalize(), "f")
 
 
 def _figures(h: SlotHeadroom | None) -> dict[str, str] | None:
@@ -219,7 +249,11 @@ def _num(value: Decimal | int) -> str:
 def format_table(result: SimulationResult) -> str:
     """A plain-text report for the terminal."""
     outcome = result.outcome
-    lines = [f"request  {result.request}", f"policy   {result.policy.value}"]
+    lines = [
+        f"request  {result.request}",
+        f"policy   {result.policy.value}",
+        f"agent    rule {result.rule.value}, affinity-policy {result.affinity.value}",
+    ]
     if isinstance(outcome, Placement):
         where = ", ".join(f"{d} {v}" for d, v in outcome.amounts.items())
         lines.append(f"result   placed {outcome.total} on {len(outcome.amounts)} device(s): {where}")
@@ -229,12 +263,13 @@ def format_table(result: SimulationResult) -> str:
         lines.append(f"result   rejected ({outcome.reason}): {outcome.detail}")
     if result.devices:
         placed = outcome.amounts if isinstance(outcome, Placement) else {}
-        rows = [("device", "capacity", "allocated", "free", "placed", "free after")]
+        rows = [("device", "numa", "capacity", "allocated", "free", "placed", "free after")]
         for d in result.devices:
             add = placed.get(d.device_id, Decimal(0))
             rows.append(
                 (
                     d.device_id,
+                    "-" if d.numa_node is None else str(d.numa_node),
                     str(d.capacity),
                     str(d.allocated),
                     str(d.free),

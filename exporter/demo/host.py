@@ -7,7 +7,7 @@ driver (cgroup v2, the default there):
 * ``cgroup/``: ``cgroup.controllers`` at the root, ``init.scope``, ``system.slice/docker.service``,
   ``system.slice/containerd.service``, ``user.slice/user-1000.slice/session-N.scope``, and one
   ``system.slice/docker-<64 hex>.scope`` per running container, each with ``cgroup.procs``;
-* ``proc/<pid>/``: ``stat`` (52 fields; field 22 the start time in clock ticks after boot),
+* ``proc/sys/kernel/random/boot_id``; ``proc/<pid>/``: ``stat`` (52 fields; field 22 the start time in clock ticks after boot),
   ``cgroup`` (one ``0::<path>`` line) and ``mountinfo`` (a container's overlay root, its
   ``/home/config`` and ``/home/work`` bind mounts of the kernel's scratch directory, the NVIDIA
   device nodes and libraries the runtime injects; or the host's own mounts).
@@ -27,6 +27,7 @@ from pathlib import Path
 __all__ = ["CLOCK_TICKS", "SimulatedHost"]
 
 CLOCK_TICKS = 100  # USER_HZ: /proc/<pid>/stat times are in 1/100 s on Linux
+_BOOT_ID = "4f0c7f3e-9b1d-4c6a-8e2f-5d3b1a7c9e04"
 _DRIVER = "550.54.15"  # the NVIDIA driver whose libraries the container runtime injects
 # Fields 23-52 of /proc/<pid>/stat after the start time (vsize, rss, … exit_code), as a python3
 # process shows them; only field 22 matters to the exporter.
@@ -66,6 +67,9 @@ class SimulatedHost:
         self._uptime = uptime_seconds
         self._where: dict[int, Path] = {}  # pid -> its cgroup directory
         self.proc.mkdir(parents=True, exist_ok=True)
+        # The kernel's boot id (the exporter keeps latched GPU faults per boot); this host never reboots.
+        (self.proc / "sys" / "kernel" / "random").mkdir(parents=True, exist_ok=True)
+        (self.proc / "sys" / "kernel" / "random" / "boot_id").write_text(_BOOT_ID + "\n")
         (self.cgroup / "system.slice").mkdir(parents=True, exist_ok=True)
         (self.cgroup / "cgroup.controllers").write_text("cpuset cpu io memory hugetlb pids rdma misc\n")
         (self.cgroup / "cgroup.subtree_control").write_text("cpuset cpu io memory pids\n")

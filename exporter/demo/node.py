@@ -17,7 +17,10 @@ Sessions arrive at random (seeded) and leave; busy, bursty and idle kernels, a k
 started a process, MIG kernels and CPU-only kernels. On top, a schedule of planted events: an
 isolation breach, a host process on a GPU, XIDs, corrected ECC errors, a pending row remap, a
 thermal throttle, a GPU that falls off the bus and comes back, a container removed out of band
-(its kernel turns stale), a ``resource.txt`` left half-written. Each is logged as it happens.
+(its kernel turns stale), a ``resource.txt`` left half-written, a sweep that strands free
+capacity. Each is logged as it happens. The schedule printed at start names the alerts each fault
+raises and by when the shipped rules fire and resolve them (:class:`AlertPromise`): a fault lasts
+at least its alert's ``for:`` and two evaluation intervals, so some last 10 or 30 minutes.
 
 Times are *demo seconds*: wall seconds since the start times ``time_scale``.
 """
@@ -45,7 +48,7 @@ from exporter.demo.host import SimulatedHost
 from exporter.demo.tree import append_cid, recovery_json, resource_lines
 from exporter.telemetry.nvml.simulated import GIB, MIB, FakeNvml
 
-__all__ = ["AGENT_ID", "LivingNode", "PlannedEvent"]
+__all__ = ["AGENT_ID", "EVALUATION_INTERVAL_S", "SETTLE_S", "SHIPPED_RULES", "AlertPromise", "LivingNode", "PlannedEvent", "RuleTiming"]
 
 log = logging.getLogger("exporter.demo")
 
@@ -94,13 +97,71 @@ class Session:
     planted: str = ""  # the role it plays in a planted event
 
 
+#: Prometheus' scrape and evaluation interval in deploy/prometheus/prometheus.yml, seconds.
+EVALUATION_INTERVAL_S = 15.0
+
+
+@dataclass(frozen=True)
+class RuleTiming:
+    """How an alert of the shipped rules follows a fault, in seconds."""
+
+    for_s: float  # the rule's for:
+    interval_s: float = EVALUATION_INTERVAL_S  # its group's evaluation interval
+    event_age_s: float = 0.0  # true this long after the fault's onset whatever it does (an XID's recent window)
+
+
+#: What the demo adds to a fault before Prometheus can see it: its telemetry interval (2 s) and
+#: the render, rounded up; seconds.
+SETTLE_S = 5.0
+#: The shipped rules (alerts/*.rules.yml) for each alert the demo announces, as Prometheus runs
+#: them with deploy/prometheus/prometheus.yml. An installed package carries no rule files, so the
+#: figures are repeated here; tests/demo/test_announced_alerts.py fails when they differ from the
+#: files, and replays the demo through the exporter and promtool to show every announced alert
+#: firing and resolving by the time the demo prints.
+SHIPPED_RULES: dict[str, RuleTiming] = {
+    "GpuAllocIsolationBreach": RuleTiming(for_s=120, interval_s=60),  # group gpu-alloc-kernels
+    "GpuAllocGpuLost": RuleTiming(for_s=60),
+    # A critical XID counts as recent for global:gpu_alloc_xid_recent_seconds:threshold.
+    "GpuAllocXidCritical": RuleTiming(for_s=0, event_age_s=1800),
+    "GpuAllocSessionsOnUnhealthyGpu": RuleTiming(for_s=0, event_age_s=1800),
+    "GpuAllocGpuResetPending": RuleTiming(for_s=900),
+    "GpuAllocThermalThrottling": RuleTiming(for_s=600),
+    "GpuAllocNodeFragmented": RuleTiming(for_s=1800),
+}
+
+
+@dataclass(frozen=True)
+class AlertPromise:
+    """An alert the demo announces for a planted fault, and by when it fires and resolves (demo
+    seconds, for the shipped rules): ``fires_by`` is at least the rule's ``for:``, one scrape and
+    one evaluation interval and :data:`SETTLE_S` after ``onset``; the fault lasts until ``ends``,
+    past ``fires_by``; ``resolves_by`` as long after the later of ``ends`` and the event's age."""
+
+    alert: str
+    labels: tuple[tuple[str, str], ...]  # what tells it from the same alert about another GPU
+    fault: str
+    onset: float
+    fires_by: float
+    ends: float
+    resolves_by: float
+    rule: RuleTiming
+
+    def describe(self) -> str:
+        why = f"for: {_duration(self.rule.for_s)}"
+        if self.rule.event_age_s:
+            why += f"; the XID counts as recent for {_duration(self.rule.event_age_s)}"
+        return f"{self.alert} fires by {_mmss(self.fires_by)}, resolves by {_mmss(self.resolves_by)} ({why})"
+
+
 @dataclass(frozen=True)
 class PlannedEvent:
-    """A planted event: when (demo seconds), what, and the step that makes it happen."""
+    """A planted event: when (demo seconds), what, the step that makes it happen, and the alerts
+    it raises."""
 
     at: float
     what: str
     step: Callable[[], None] = field(compare=False, repr=False)
+    alerts: tuple[AlertPromise, ...] = ()
 
 
 class LivingNode:
@@ -141,6 +202,7 @@ class LivingNode:
         self._throttled: set[int] = set()
         self._sweeping: list[Session] = []
         self.schedule: list[PlannedEvent] = []
+        self.promises: list[AlertPromise] = []
         self._shares_gpus = [g.index for g in self.machine.gpus if not g.mig_current]
         self._capacity = {
             g.index: fractional_capacity(g.memory_total, 108, CapacityConfig()) for g in self.machine.gpus
@@ -184,8 +246,8 @@ class LivingNode:
         with self._lock:
             heapq.heappush(self._queue, (at, next(self._seq), what, step))
 
-    def _plant(self, at: float, what: str, step: Callable[[], None]) -> None:
-        self.schedule.append(PlannedEvent(at, what, step))
+    def _plant(self, at: float, what: str, step: Callable[[], None], alerts: tuple[AlertPromise, ...] = ()) -> None:
+        self.schedule.append(PlannedEvent(at, what, step, alerts))
 
         def planted() -> None:
             log.info("demo event at %s: %s", _mmss(at), what)
@@ -235,6 +297,13 @@ class LivingNode:
             wait = min(next_tick - self._clock(), (due - self.now()) / self.time_scale)
             self._stop.wait(max(0.0, min(wait, _TICK)))
 
+    def tick(self) -> None:
+        """Run what is due and bring the GPUs' load to now: one beat of the node's thread, for a
+        caller that drives the clock itself (a replay)."""
+        self.run_due()
+        with self._lock:
+            self._animate()
+
     def run_due(self) -> None:
         """Run every step whose time has come (the thread calls this; tests may too)."""
         while True:
@@ -276,32 +345,55 @@ class LivingNode:
         lost = self._shares_gpus[-1]
         ecc_gpu, remap_gpu, hot_gpu = self._shares_gpus[3], self._shares_gpus[2], self._shares_gpus[1]
         stale = bursty
-        self._plant(10, f"isolation breach: kernel {trainer.kernel_id} starts a process on GPU {breach_gpu}, "
-                        "which it was not allocated (fires GpuAllocIsolationBreach after 2m)",
-                    lambda: self._breach(trainer, breach_gpu))
+        xid, blast = "GpuAllocXidCritical", "GpuAllocSessionsOnUnhealthyGpu"
+        self._fault(10, f"isolation breach: kernel {trainer.kernel_id} starts a process on GPU {breach_gpu}, "
+                        "which it was not allocated", lambda: self._breach(trainer, breach_gpu),
+                    alerts=[("GpuAllocIsolationBreach", breach_gpu)],
+                    end=(200, f"the stray process of kernel {trainer.kernel_id} on GPU {breach_gpu} exits",
+                         lambda: self._end_breach(trainer)))
         self._plant(15, f"XID 13 (graphics engine exception, an application fault) on GPU {self._gpus_of(trainer)[0]}",
                     lambda: self.machine.push_xid(self._gpus_of(trainer)[0], 13))
         self._plant(30, f"3 corrected ECC errors on GPU {ecc_gpu}", lambda: self._ecc(ecc_gpu, 3))
         self._plant(45, "the agent stops half-way through writing a new kernel's resource.txt "
                         "(pending, then stale after --stale.grace)", self._half_written)
         self._plant(50, f"5 more corrected ECC errors on GPU {ecc_gpu}", lambda: self._ecc(ecc_gpu, 5))
-        self._plant(60, f"GPU {lost} falls off the bus (XID 79); its processes die (fires GpuAllocGpuLost after 1m)",
-                    lambda: self._fall_off(lost))
-        self._plant(75, f"a memory row of GPU {remap_gpu} is remapped, pending a GPU reset (XID 63; "
-                        "fires GpuAllocXidCritical at once, GpuAllocGpuResetPending after 15m)",
-                    lambda: self._remap(remap_gpu))
-        self._plant(90, f"GPU {hot_gpu} overheats: sw_thermal_slowdown holds its clocks down "
-                        "(fires GpuAllocThermalThrottling after 10m)", lambda: self._throttle(hot_gpu, True))
+        self._fault(60, f"GPU {lost} falls off the bus (XID 79); its processes die", lambda: self._fall_off(lost),
+                    alerts=[(xid, lost), (blast, lost), ("GpuAllocGpuLost", lost)],
+                    end=(180, f"GPU {lost} is back after a reset", lambda: self._recover(lost)))
+        self._fault(75, f"a memory row of GPU {remap_gpu} is remapped, pending a GPU reset (XID 63)",
+                    lambda: self._remap(remap_gpu), alerts=[(xid, remap_gpu), (blast, remap_gpu),
+                            ("GpuAllocGpuResetPending", remap_gpu)],
+                    end=(None, f"GPU {remap_gpu} is reset in a maintenance window: the remapped row takes effect",
+                         lambda: self._reset(remap_gpu)))
+        self._fault(90, f"GPU {hot_gpu} overheats: sw_thermal_slowdown holds its clocks down",
+                    lambda: self._throttle(hot_gpu, True), alerts=[("GpuAllocThermalThrottling", hot_gpu)],
+                    end=(None, f"GPU {hot_gpu} cools down (throttling ends)", lambda: self._throttle(hot_gpu, False)))
         self._plant(120, f"the container of kernel {stale.kernel_id} is removed out of band (docker rm -f); "
                          "its scratch directory stays behind: a stale kernel",
                     lambda: self._remove_out_of_band(stale))
-        self._plant(180, f"GPU {lost} is back after a reset (GpuAllocGpuLost resolves)", lambda: self._recover(lost))
-        self._plant(200, f"the stray process of kernel {trainer.kernel_id} on GPU {breach_gpu} exits "
-                         "(GpuAllocIsolationBreach resolves)", lambda: self._end_breach(trainer))
-        self._plant(195, "a hyper-parameter sweep fills every GPU but a sliver: enough fGPU free in total, too little "
-                         "on any one GPU (stranded, fires GpuAllocNodeFragmented after 30m)", self._sweep)
-        self._plant(240, f"GPU {hot_gpu} cools down (throttling ends)", lambda: self._throttle(hot_gpu, False))
-        self._plant(285, "the sweep ends", self._end_sweep)
+        self._fault(195, "a hyper-parameter sweep fills every GPU but a sliver, and refills what others free: enough "
+                         "fGPU free in total, too little on any one GPU (stranded)", self._sweep,
+                    alerts=[("GpuAllocNodeFragmented", None)], end=(None, "the sweep ends", self._end_sweep))
+
+    def _fault(self, at: float, what: str, step: Callable[[], None], *, alerts: list[tuple[str, int | None]],
+               end: tuple[float | None, str, Callable[[], None]]) -> None:
+        """Plant a fault at ``at`` and its end, announcing the alerts it fires (each about a GPU, or
+        the node). The fault lasts until every alert has fired under :data:`SHIPPED_RULES` and one
+        evaluation interval more, or until ``end[0]`` if that is later."""
+        until, ended, end_step = end
+        promised = [(name, gpu, SHIPPED_RULES[name]) for name, gpu in alerts]
+        # A fault is seen one scrape and one evaluation after it happens (plus SETTLE_S); its alert
+        # fires for: later, at that evaluation.
+        fires = {name: _round_up(at + rule.for_s + 2 * rule.interval_s + SETTLE_S) for name, _, rule in promised}
+        ends = max([until or 0.0, *(fires[name] + rule.interval_s for name, _, rule in promised)])
+        made = []
+        for name, gpu, rule in promised:
+            resolves = _round_up(max(ends, at + rule.event_age_s) + 2 * rule.interval_s + SETTLE_S)
+            labels = (("device_id", self.device_id(gpu)),) if gpu is not None else ()
+            made.append(AlertPromise(name, labels, what, at, fires[name], ends, resolves, rule))
+        self.promises.extend(made)
+        self._plant(at, what, step, tuple(made))
+        self._plant(ends, ended, end_step)
 
     def describe(self) -> str:
         """What runs on the node now and what will happen when: printed at start."""
@@ -323,8 +415,15 @@ class LivingNode:
             for p in self.host_processes:
                 lines.append(f"  host process {p.pid} on GPU {p.gpu}, outside any container")
             lines.append(f"new sessions arrive about every {_ARRIVAL_MEAN:g}s and leave after 1.5-5 minutes; planned:")
+            lines.append(f"  (alerts: by when the shipped rules fire and resolve them, with Prometheus scraping and evaluating "
+                         f"every {EVALUATION_INTERVAL_S:g} s as deploy/prometheus/prometheus.yml does")
+            if self.time_scale != 1:
+                lines[-1] += (f"; times are demo time, which runs {self.time_scale:g} times faster: alerts keep to them only "
+                              f"where Prometheus' for: and intervals are divided by {self.time_scale:g} too")
+            lines[-1] += ")"
             for e in sorted(self.schedule, key=lambda e: e.at):
                 lines.append(f"  {_mmss(e.at)}  {e.what}")
+                lines.extend(f"           {a.describe()}" for a in e.alerts)
             return "\n".join(lines)
 
     def _short(self, device_id: str) -> str:
@@ -465,6 +564,8 @@ class LivingNode:
         self._sync_processes()
         self._write_recovery_files()
         log.info("demo: session %s (%s) ended", s.kernel_id, s.kind)
+        if self._sweeping and s not in self._sweeping:
+            self._sweep()  # the sweep's next trials take the room
 
     def _write_recovery_files(self) -> None:
         """Every running kernel's ``config/recovery.json``, rewritten in place (not atomically), as the
@@ -596,6 +697,11 @@ class LivingNode:
                             ecc_corrected=self.machine.gpus[gpu].ecc_corrected + 16)
         self.machine.push_xid(gpu, 63)
 
+    def _reset(self, gpu: int) -> None:
+        """A GPU reset applies its pending row remap."""
+        correctable, uncorrectable, _, failure = self.machine.gpus[gpu].remapped_rows or (0, 0, 0, 0)
+        self.machine.update(gpu, remapped_rows=(correctable, uncorrectable, 0, failure))
+
     def _throttle(self, gpu: int, on: bool) -> None:
         (self._throttled.add if on else self._throttled.discard)(gpu)
         self._animate()
@@ -630,7 +736,8 @@ class LivingNode:
         self._sync_processes()
 
     def _sweep(self) -> None:
-        # Fill each GPU to within 0.3-0.45 shares of its capacity, one EVENLY placement at a time.
+        # Fill each GPU to within 0.3-0.45 shares of its capacity, one EVENLY placement at a time;
+        # again whenever a session ends meanwhile, as a sweep's queue of trials would.
         for _ in range(3 * len(self._shares_gpus)):
             roomy = [d for d in self._free(SHARES) if d.free >= Decimal("0.5")]
             if not roomy:
@@ -676,3 +783,14 @@ def _size(nbytes: Decimal) -> str:
 
 def _mmss(seconds: float) -> str:
     return f"+{int(seconds) // 60}:{int(seconds) % 60:02d}"
+
+
+def _duration(seconds: float) -> str:
+    """``1800`` → ``30m``, as a rule's ``for:`` reads."""
+    minutes, rest = divmod(int(seconds), 60)
+    return f"{minutes}m{rest}s".replace("m0s", "m") if minutes else f"{rest}s"
+
+
+def _round_up(seconds: float, step: float = 5.0) -> float:
+    """Up to a multiple of ``step`` seconds, so the announced times read easily."""
+    return math.ceil(seconds / step) * step

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 __all__ = ["CONCERNS", "Collector", "Inputs", "Part", "SeriesOptions", "build_parts", "collectors", "register"]
 
 # The modules that declare collectors, imported by collectors().
-CONCERNS = ("exporter", "allocation", "telemetry", "headroom", "attribution", "accounting", "agents", "server")
+CONCERNS = ("exporter", "allocation", "telemetry", "headroom", "fleet", "attribution", "health", "accounting", "agents", "server")
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,9 @@
 """The one family builder of the metric modules.
 
-prometheus_client (~70 ms of imports) is loaded on the first family built, not when a metric
-module is imported: the command line imports every module to learn its collector
-(:mod:`exporter.metrics.collectors`) before the exporter is ready, and the collector itself is
-built after readiness.
+prometheus_client (whose imports are a large part of a start's) is loaded on the first family
+built, not when a metric module is imported: the command line imports every module to learn its
+collector (:mod:`exporter.metrics.collectors`) before the exporter is ready, and the collector
+itself is built after readiness.
 """
 
 from __future__ import annotations

@@ -12,8 +12,9 @@ named after the limit or setting that refused (``Limits`` fields, web config key
   connection could be evicted to make room (503).
 * ``max_offloaded``: a document route (JSON API, what-if placement) arrived while the worker
   pool's queue was full (503).
-* ``max_held_bytes``: a document route arrived, or its response was built, while the response
-  bytes held for clients that do not read were at their budget (503).
+* ``max_held_bytes``: a document route or a ``/metrics`` body arrived, or a response was built,
+  while the response bytes held for clients that do not read were at their budget (503); also a
+  client still being sent a superseded ``/metrics`` body, dropped to make room for the current one.
 * ``max_header_bytes``: the request line and headers were larger than allowed (431).
 * ``max_body_bytes``: the request body was larger than allowed (413).
 * ``malformed``: the request did not parse or was ambiguous: framing, target, header characters,
@@ -29,7 +30,8 @@ named after the limit or setting that refused (``Limits`` fields, web config key
   until a restart (closed).
 * ``client_allowed_sans``: the verified client certificate has none of the allowed SANs (closed).
 * ``rate_limit``: the web config's ``rate_limit`` had no token left (429).
-* ``auth_throttled``: the client's address had too many pending or failed password checks (429).
+* ``auth_throttled``: too many password checks were waiting (per address or in all), or one
+  waited too long for its turn (429); wrong passwords are slowed to a bcrypt budget, not refused.
 * ``unauthorized``: basic auth is on and the credentials were missing or wrong (401).
 * ``config_invalid``: the web config file became invalid; every request fails closed (500).
 

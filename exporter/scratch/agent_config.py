@@ -77,6 +77,7 @@ class AgentToml:
 
     agents: tuple[AgentEntry, ...]
     allocation_mode: str = "shared"
+    affinity_policy: str | None = None  # [resource] affinity-policy; None: unset (the agent's default)
 
     @property
     def multi_agent(self) -> bool:
@@ -96,7 +97,20 @@ class AgentToml:
             a if a.agent_id is not None else AgentEntry(derived_agent_id(hostname), a.scratch_root, a.backend, a.scratch_type, a.allocations)
             for a in self.agents
         )
-        return AgentToml(agents, self.allocation_mode)
+        return AgentToml(agents, self.allocation_mode, self.affinity_policy)
+
+
+AFFINITY_POLICIES = ("INTERLEAVED", "PREFER_SINGLE_NODE")
+
+
+def _affinity(resource: dict, source: str) -> str | None:
+    """``[resource] affinity-policy``, spelled as the agent's enum (any case); None when unset."""
+    value = _str(resource, ("affinity-policy", "affinity_policy"), None, f"{source}: [resource] affinity-policy")
+    if value is None:
+        return None
+    if value.upper() not in AFFINITY_POLICIES:
+        raise AgentConfigError(f"{source}: [resource] affinity-policy must be one of {', '.join(AFFINITY_POLICIES)}, not {value!r}")
+    return value.upper()
 
 
 def derived_agent_id(hostname: str) -> str:
@@ -114,7 +128,7 @@ def parse_agent_config(text: str, source: str = "agent.toml", *, working_dir: st
     :raises AgentConfigError: invalid TOML, a wrong type, an unknown mode or backend, a relative
         scratch root without ``working_dir``, a missing or repeated id in ``[[agents]]``.
     """
-    import tomllib  # here: ~4 ms of every start that reads no agent.toml
+    import tomllib  # here: a start that reads no agent.toml need not import it
 
     try:
         doc = tomllib.loads(text)
@@ -127,12 +141,13 @@ def parse_agent_config(text: str, source: str = "agent.toml", *, working_dir: st
     if mode not in ALLOCATION_MODES:
         raise AgentConfigError(f"{source}: [resource] allocation-mode must be one of {', '.join(ALLOCATION_MODES)}, not {mode!r}")
     default_allocations = _table(resource, "allocations", source)
+    affinity = _affinity(resource, source)
 
     entries = doc.get("agents", [])
     if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
         raise AgentConfigError(f"{source}: [[agents]] must be a list of tables")
     if not entries:
-        return AgentToml((_entry(agent, container, default_allocations, source, "[agent]", working_dir, mode),), mode)
+        return AgentToml((_entry(agent, container, default_allocations, source, "[agent]", working_dir, mode),), mode, affinity)
     agents, seen = [], set()
     for i, e in enumerate(entries, start=1):
         where = f"[[agents]] #{i}"
@@ -146,7 +161,7 @@ def parse_agent_config(text: str, source: str = "agent.toml", *, working_dir: st
             raise AgentConfigError(f"{source}: {where} repeats agent id {entry.agent_id!r}")
         seen.add(entry.agent_id)
         agents.append(entry)
-    return AgentToml(tuple(agents), mode)
+    return AgentToml(tuple(agents), mode, affinity)
 
 
 def _entry(

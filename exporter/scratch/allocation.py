@@ -13,6 +13,7 @@ flat at 10,000 kernels.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -47,6 +48,8 @@ ALLOC_MAP_FORMATS = ("absolute", "ratio")
 RATIO_PLACES = Decimal("0.0001")  # the ratio form's quantum ("0.2500")
 _ZERO = Decimal(0)
 
+log = logging.getLogger(__name__)
+
 Outcome = ResourceSpec | Pending | ResourceParseError
 """What reading one kernel's resource.txt gave."""
 
@@ -74,23 +77,49 @@ def absolute_alloc_map(allocations: Iterable[Allocation]) -> dict[str, str]:
 def ratio_alloc_map(
     allocations: Iterable[Allocation], capacities: Mapping[tuple[str, str], Decimal]
 ) -> dict[str, str]:
-    """``gpu_alloc_map`` as agents from 26.4.8 / 26.8.x on answer it (lablup/backend.ai#14327).
+    """``gpu_alloc_map`` as agents from 26.4.8 / 26.8.x on answer it (lablup/backend.ai#14327;
+    26.9.6 ``scan_gpu_alloc_map``).
 
     Per device id: the sum over every slot of the ``cuda`` device (``cuda.shares``,
-    ``cuda.device``, MIG slots) of the amount divided by that device's registered capacity for
-    the slot, or the raw amount where no positive capacity is known; quantized to 4 places
-    (``"0.2500"``; ROUND_HALF_EVEN, Decimal's default, as ``Decimal.quantize`` in the agent).
+    ``cuda.device``, MIG slots, ``cuda.mem``) of the amount divided by the capacity registered
+    for that (slot, device), or the raw amount where none is registered or it is not positive;
+    quantized to 4 places (``"0.2500"``; ROUND_HALF_EVEN, Decimal's default, as
+    ``Decimal.quantize`` in the agent). The agent logs a warning for every raw addition on every
+    scan; this logs each (slot, device) once (:func:`_raw_amount_added`).
 
-    :param capacities: (slot, device id) → capacity in the slot's unit.
+    :param capacities: (slot, device id) → the capacity the plugin registers, in the slot's unit.
     """
     totals: dict[str, Decimal] = {}
     for a in allocations:
         if a.slot.split(".", 1)[0] != "cuda":
             continue
         capacity = capacities.get((a.slot, a.device_id))
-        share = a.amount / capacity if capacity is not None and capacity > 0 else a.amount
+        if capacity is not None and capacity > 0:
+            share = a.amount / capacity
+        else:
+            share = a.amount
+            _raw_amount_added(a.slot, a.device_id, capacity)
         totals[a.device_id] = totals.get(a.device_id, Decimal(0)) + share
     return {d: str(v.quantize(RATIO_PLACES)) for d, v in sorted(totals.items())}
+
+
+# (slot, device id) pairs already logged as added raw; bounded so that a tree of ever-new device
+# ids cannot grow it without end (past the bound, nothing more is logged).
+_RAW_LOGGED: set[tuple[str, str]] = set()
+_RAW_LOGGED_LIMIT = 4096
+_raw_lock = threading.Lock()
+
+
+def _raw_amount_added(slot: str, device_id: str, capacity: Decimal | None) -> None:
+    with _raw_lock:
+        if (slot, device_id) in _RAW_LOGGED or len(_RAW_LOGGED) >= _RAW_LOGGED_LIMIT:
+            return
+        _RAW_LOGGED.add((slot, device_id))
+    why = "no capacity is registered" if capacity is None else f"its registered capacity is {capacity}"
+    log.warning(
+        "ratio alloc map: %s on device %s is added as its raw amount, as the agent does: %s for it",
+        slot, device_id, why,
+    )
 
 
 class KernelState(str, Enum):

@@ -5,8 +5,8 @@ symlink: one out of the root would leak another file, one to another kernel's ``
 count that kernel twice. ``openat2(2)`` with ``RESOLVE_NO_SYMLINKS`` checks every component in
 one system call (Linux 5.6+). Without it (an older kernel, a seccomp profile that refuses it, an
 architecture whose syscall number is not the common one) the reader walks one component at a time
-with ``O_NOFOLLOW``, which costs three more opens and closes per kernel: at 10,000 kernels the
-reads of a scan took 0.13 s with openat2 and 0.24 s with the walk.
+with ``O_NOFOLLOW``, which costs three more opens and closes per kernel and nearly doubles the
+time a scan spends reading.
 
 Python has no binding for openat2; this one is a ctypes call to libc's ``syscall``.
 """
@@ -69,8 +69,8 @@ def open_beneath(dir_fd: int, path: str, flags: int) -> int | None:
     component, the last included (``ELOOP``), and any way out of the directory (``EXDEV``).
 
     Failures are returned, not raised, as the system call returns them: a scan meets a missing
-    ``recovery.json`` in every kernel of an agent before 25.18, and an exception for each cost
-    ~10 µs, as much as the read of the other file.
+    ``recovery.json`` in every kernel of an agent before 25.18, and an exception for each would
+    cost as much as the read of the other file.
 
     :param flags: ``os.open`` flags (``O_NOFOLLOW`` is implied).
     :returns: the new descriptor; minus the errno when the path cannot be opened; None where

@@ -59,17 +59,47 @@ def parse_container_list(text: str) -> dict[str, Identity]:
     return out
 
 
-class _UnixConnection(http.client.HTTPConnection):
-    """HTTP/1.1 over the daemon's unix socket (the Host header is a formality there)."""
+class _DeadlineSocket(socket.socket):
+    """A socket whose every send and receive gives up at one deadline (``time.monotonic()``), not
+    after a timeout of its own: http.client reads the status line, each header line and each
+    chunk-size line with separate receives, so a per-call timeout lets a daemon that sends a byte
+    now and then hold a request for ever."""
 
-    def __init__(self, path: str, timeout: float) -> None:
-        super().__init__("localhost", timeout=timeout)
+    deadline = 0.0
+
+    def _arm(self) -> None:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("deadline passed")
+        self.settimeout(left)
+
+    def recv_into(self, buffer, nbytes: int = 0, flags: int = 0) -> int:  # what socket.makefile() reads with
+        self._arm()
+        return super().recv_into(buffer, nbytes, flags)
+
+    def recv(self, bufsize: int, flags: int = 0) -> bytes:
+        self._arm()
+        return super().recv(bufsize, flags)
+
+    def sendall(self, data, flags: int = 0) -> None:
+        self._arm()
+        super().sendall(data, flags)
+
+
+class _UnixConnection(http.client.HTTPConnection):
+    """HTTP/1.1 over the daemon's unix socket (the Host header is a formality there), every byte
+    of it within ``deadline`` (``time.monotonic()``)."""
+
+    def __init__(self, path: str, deadline: float) -> None:
+        super().__init__("localhost", timeout=max(0.0, deadline - time.monotonic()))
         self._path = path
+        self._deadline = deadline
 
     def connect(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock = _DeadlineSocket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.deadline = self._deadline
         try:
-            sock.settimeout(self.timeout)
+            sock._arm()
             sock.connect(self._path)
         except BaseException:
             sock.close()
@@ -81,7 +111,8 @@ class DockerLabels:
     """Reads the kernel containers' identity labels from a Docker-compatible API socket.
 
     :param socket_path: the daemon's socket, e.g. ``/var/run/docker.sock``.
-    :param timeout: seconds for the whole request, connect to last byte.
+    :param timeout: seconds for the whole request, connect to last byte: one deadline that every
+        step (connect, send, status line, each header and chunk-size line, the body) must meet.
     :param max_bytes: the largest answer read; a bigger one is an error, not a truncation.
     """
 
@@ -96,7 +127,7 @@ class DockerLabels:
         :raises ContainerListError: one line naming the socket and why it could not be read.
         """
         deadline = time.monotonic() + self.timeout
-        conn = _UnixConnection(self.socket_path, self.timeout)
+        conn = _UnixConnection(self.socket_path, deadline)
         try:
             conn.request("GET", _QUERY, headers={"Accept": "application/json"})
             response = conn.getresponse()
@@ -104,8 +135,6 @@ class DockerLabels:
                 raise self._error(f"the daemon answered HTTP {response.status}")
             body = bytearray()
             while len(body) <= self.max_bytes:
-                if time.monotonic() > deadline:  # a daemon that drips bytes must not hold us past the deadline
-                    raise self._error(f"no complete answer within {self.timeout:g} s")
                 chunk = response.read1(65536)
                 if not chunk:
                     break
@@ -119,7 +148,7 @@ class DockerLabels:
         except ConnectionRefusedError:
             raise self._error("nothing listens on it") from None
         except TimeoutError:
-            raise self._error(f"no answer within {self.timeout:g} s") from None
+            raise self._error(f"no complete answer within {self.timeout:g} s") from None
         except (http.client.HTTPException, ConnectionError):
             raise self._error("not an HTTP answer") from None
         except OSError as exc:

@@ -10,9 +10,10 @@ returns None and the caller keeps the last identity it had. Only these fields ar
      "ownership_data": {"kernel_id": …, "session_id": …, "agent_id": …,
                         "owner_user_id": "<uuid or null>", "owner_project_id": null}, …}
 
-Values are spelled as Backend.AI spells its own metric labels (``backendai-26.md`` §4): UUIDs in
-lower-case hyphenated form, and a missing value as the literal ``undefined``, so series join with
-the agent's ``backendai_container_utilization`` and Backend.AI's query presets match both alike.
+Values are spelled as Backend.AI spells its own metric labels (docs/backendai.md, *Identity*):
+UUIDs in lower-case hyphenated form, and a missing value as the literal ``undefined``, so series
+join with the agent's ``backendai_container_utilization`` and Backend.AI's query presets match
+both alike.
 A value that is not what its field should hold (a session id that is no UUID, a control
 character in an agent id) is ``undefined`` too: nothing unchecked reaches a label.
 

@@ -7,6 +7,10 @@ batches back through a pipe, so that on a machine with a second core the reading
 parsing. Whenever no batch of the child's is waiting, this process reads one itself, from the back
 of the list: when the other core is busy elsewhere, the scan is no slower than without the child.
 
+A batch is ``batch`` kernels, or fewer when their reads already hold :data:`BATCH_BYTES` (files
+near the 1 MiB cap): neither process ever holds more than about one batch of file bytes, three
+times over while it is pickled, sent and unpickled, however large the files.
+
 The child only makes system calls, pickles and writes (no logging, no locks, no threads of its
 own), so it is safe to fork from a process whose other threads may hold locks. Whatever it did not
 deliver, because it could not be forked, died, or sent a torn batch, is read in this process, the
@@ -25,12 +29,16 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
-__all__ = ["MIN_KERNELS", "read_batches"]
+__all__ = ["BATCH_BYTES", "MIN_KERNELS", "read_batches"]
 
 T = TypeVar("T")
 
 # Below this a fork (~2-5 ms for a 50 MiB process, page tables included) costs about what it saves.
 MIN_KERNELS = 1024
+# The file bytes a batch may hold before it is closed (4 MiB: ~1,000 kernels of ~4 KiB files,
+# 4 of files near the 1 MiB cap). 64 kernels of 1 MiB files made 64 MiB batches, which the helper
+# held three times at once (the reads, their pickle, the pickle with its header).
+BATCH_BYTES = 4 << 20
 _HEADER = struct.Struct("=I")  # a batch's pickled size, in bytes, before it
 # The kernel's limit for an unprivileged process (/proc/sys/fs/pipe-max-size): the child then
 # rarely waits for the parser. 10,000 kernels' reads are ~4 MB in all.
@@ -38,7 +46,8 @@ _PIPE_BYTES = 1 << 20
 
 
 def read_batches(read: Callable[[str], T], kernels: Sequence[str], batch: int) -> Iterator[tuple[Sequence[str], list[T]]]:
-    """``(kernel ids, [read(id) for each])``, ``batch`` at a time, each kernel exactly once (not
+    """``(kernel ids, [read(id) for each])``, at most ``batch`` at a time and at most about
+    :data:`BATCH_BYTES` of file bytes (:func:`weight`) at a time, each kernel exactly once (not
     necessarily in order).
 
     With at least :data:`MIN_KERNELS` kernels and a second CPU, a forked child shares the reads.
@@ -47,9 +56,47 @@ def read_batches(read: Callable[[str], T], kernels: Sequence[str], batch: int) -
     if len(kernels) >= MIN_KERNELS and _cpus() > 1:
         yield from _shared(read, kernels, batch)
         return
-    for start in range(0, len(kernels), batch):
-        ids = kernels[start : start + batch]
-        yield ids, [read(kernel_id) for kernel_id in ids]
+    start = 0
+    while start < len(kernels):
+        reads = _read_forward(read, kernels, start, len(kernels), batch)
+        yield kernels[start : start + len(reads)], reads
+        start += len(reads)
+
+
+def weight(value: object) -> int:
+    """The bytes a read holds: the length of every bytes-like object in it, also inside tuples and
+    lists (a kernel's read is ``(resource.txt, recovery.json)``, each ``(bytes, stat)`` or an error)."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return len(value)
+    if isinstance(value, (tuple, list)):
+        return sum(weight(v) for v in value)
+    return 0
+
+
+def _read_forward(read: Callable[[str], T], kernels: Sequence[str], start: int, end: int, batch: int) -> list[T]:
+    """Reads of ``kernels[start:end]`` from the front, until ``batch`` or :data:`BATCH_BYTES`."""
+    reads: list[T] = []
+    held = 0
+    for kernel_id in kernels[start : min(end, start + batch)]:
+        reads.append(read(kernel_id))
+        held += weight(reads[-1])
+        if held >= BATCH_BYTES:
+            break
+    return reads
+
+
+def _read_backward(read: Callable[[str], T], kernels: Sequence[str], start: int, end: int, batch: int) -> list[T]:
+    """Reads of the tail of ``kernels[start:end]``, from the back, until ``batch`` or
+    :data:`BATCH_BYTES`; in the kernels' order."""
+    reads: list[T] = []
+    held = 0
+    for index in range(end - 1, max(start, end - batch) - 1, -1):
+        reads.append(read(kernels[index]))
+        held += weight(reads[-1])
+        if held >= BATCH_BYTES:
+            break
+    reads.reverse()
+    return reads
 
 
 def _cpus() -> int:
@@ -79,9 +126,9 @@ def _shared(read: Callable[[str], T], kernels: Sequence[str], batch: int) -> Ite
                 yield kernels[front : front + len(reads)], reads
                 front += len(reads)
             else:
-                start = max(front, back - batch)
-                yield kernels[start:back], [read(kernel_id) for kernel_id in kernels[start:back]]
-                back = start
+                reads = _read_backward(read, kernels, front, back, batch)
+                yield kernels[back - len(reads) : back], reads
+                back -= len(reads)
     finally:
         if r >= 0:
             os.close(r)  # a child still writing gets EPIPE
@@ -126,15 +173,16 @@ def _receive(fd: int) -> list | None:
     return None if data is None else pickle.loads(data)
 
 
-def _read_exactly(fd: int, size: int) -> bytes | None:
-    chunks, left = [], size
-    while left:
-        chunk = os.read(fd, left)
-        if not chunk:
+def _read_exactly(fd: int, size: int) -> bytearray | None:
+    """``size`` bytes read straight into one buffer (no pieces joined into a second copy)."""
+    data = bytearray(size)
+    view, got = memoryview(data), 0
+    while got < size:
+        n = os.readv(fd, [view[got:]])
+        if not n:
             return None
-        chunks.append(chunk)
-        left -= len(chunk)
-    return b"".join(chunks)
+        got += n
+    return data
 
 
 def _child(r: int, w: int, read: Callable[[str], T], kernels: Sequence[str], batch: int) -> None:
@@ -152,11 +200,16 @@ def _child(r: int, w: int, read: Callable[[str], T], kernels: Sequence[str], bat
             fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
         except OSError:  # over this host's limit: the default 64 KiB works, with more waits
             pass
-        for start in range(0, len(kernels), batch):
-            data = pickle.dumps([read(kernel_id) for kernel_id in kernels[start : start + batch]], pickle.HIGHEST_PROTOCOL)
-            view = memoryview(_HEADER.pack(len(data)) + data)
-            while view:
-                view = view[os.write(w, view) :]
+        start = 0
+        while start < len(kernels):
+            reads = _read_forward(read, kernels, start, len(kernels), batch)
+            start += len(reads)
+            data = pickle.dumps(reads, pickle.HIGHEST_PROTOCOL)
+            del reads  # the file bytes are in the pickle now: held once, not twice, while it is written
+            for piece in (_HEADER.pack(len(data)), data):
+                view = memoryview(piece)
+                while view:
+                    view = view[os.write(w, view) :]
     except BaseException:  # noqa: BLE001 - a broken pipe, a read that raised: the parent reads on
         code = 1
     finally:

@@ -1,6 +1,6 @@
 """Reading a Backend.AI scratch root: which directories are kernels, and what their resource.txt says.
 
-Layout (backendai-scratch.md §2)::
+Layout, as the agent creates it for each kernel::
 
     {scratch_root}/{kernel_id}/config/resource.txt
     {scratch_root}/{kernel_id}/work/...        # the user's home: never read, never watched
@@ -65,8 +65,8 @@ class _Refused(Exception):
 _Read = tuple[bytes, os.stat_result] | OSError | _Refused
 """One config file as read (:func:`_read_config`): its bytes and its ``fstat`` as of the open, or
 the error that stopped the read. An error is kept without its traceback, which would keep the
-reading frames alive: at 10,000 kernels without recovery.json, a scan ran 3.5 times as many
-garbage collections with them (~0.1 s)."""
+reading frames alive: a scan of kernels without recovery.json then ran the garbage collector
+several times as often."""
 
 
 def read_kernel(
@@ -269,8 +269,8 @@ class ScanStats:
 
 _Signature = tuple[int, int, int, int]  # (st_dev, st_ino, st_size, st_mtime_ns) of a file
 # A forced scan reads the files of this many kernels, then parses them: parsing each kernel right
-# after its path walks costs ~25 µs more per kernel, as the syscalls evict the parser's working set
-# from the CPU caches (a 10,000-kernel scan took 0.9 s instead of 0.65 s on a 2-core VM). It is
+# after its path walks is markedly slower, as the syscalls evict the parser's working set from
+# the CPU caches. It is
 # also the unit the helper process sends (:mod:`~exporter.scratch.prefetch`).
 _SCAN_BATCH = 64
 

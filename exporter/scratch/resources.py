@@ -140,7 +140,7 @@ def _amount(slot: str, text: str) -> Decimal:
 
 
 # The same few amounts ("1", "0.5", "4g") recur in every file: sharing the immutable Decimals
-# saves ~1 KiB per kernel at 10,000 kernels and most of the parsing time.
+# saves memory for every kernel and most of the parsing time.
 @lru_cache(maxsize=4096)
 def _parse_amount(is_bytes: bool, text: str) -> Decimal:
     if is_bytes:

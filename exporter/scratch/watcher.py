@@ -45,8 +45,8 @@ _ROOT_MASK = IN.IN_CREATE | IN.IN_DELETE | IN.IN_MOVED_FROM | IN.IN_MOVED_TO | I
 _KERNEL_MASK = IN.IN_CREATE | IN.IN_MOVED_TO | IN.IN_ONLYDIR
 # No IN_MODIFY: the agent writes resource.txt and recovery.json in place and always closes them,
 # so a file is read once, on IN_CLOSE_WRITE, instead of on every write of a rewrite too (which
-# mostly finds a torn file). A recovery.json storm at 1,000 kernels costs half the CPU for it
-# (BENCHMARKS.md); a writer that never closes is caught by the rescan.
+# mostly finds a torn file), which matters most when the agent rewrites every kernel's
+# recovery.json at once; a writer that never closes is caught by the rescan.
 _CONFIG_MASK = (
     IN.IN_CLOSE_WRITE | IN.IN_CREATE | IN.IN_DELETE | IN.IN_MOVED_FROM | IN.IN_MOVED_TO | IN.IN_ONLYDIR
 )
@@ -167,8 +167,8 @@ class ScratchWatcher:
 
         The roots are watched before the scan, so kernels created meanwhile arrive as events. The
         per-kernel watches are armed afterwards by the worker, followed by a stat-only rescan that
-        catches any rewrite between a kernel's read and its watch: at 10,000 kernels arming takes
-        ~0.3 s, which would otherwise delay readiness.
+        catches any rewrite between a kernel's read and its watch: arming one watch per kernel is
+        a sizeable part of a large start, which would otherwise delay readiness.
         """
         if self.mode == "inotify":
             self._fd = InotifyFD()
@@ -463,7 +463,7 @@ class ScratchWatcher:
             self.scanner.refresh(w.root, kernel_id)
             if mask & (IN.IN_DELETE | IN.IN_MOVED_FROM):
                 # Only this kernel's watch: a sweep of every watch per deletion made deleting
-                # 50,000 kernels quadratic (82 s to show).
+                # every kernel of a large root quadratic in the number of kernels.
                 self._drop_kernel(w.root, kernel_id)
         elif name == _CONFIG_NAME:  # config/ appeared in a kernel directory: move the watch there
             self._arm_kernel(w.root, w.kernel_id)

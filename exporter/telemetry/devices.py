@@ -1,7 +1,7 @@
 """Device ids: map the ids Backend.AI writes in ``resource.txt`` to telemetry devices, and label
 every telemetry series with the id spelled as Backend.AI spells it on this node.
 
-Plugins spell the same GPU differently (backendai-scratch.md §7):
+Plugins spell the same GPU differently (each plugin chooses its own device ids):
 
 ============================  ==============================================  ==============
 plugin                        whole GPU                                        MIG device

@@ -229,7 +229,7 @@ def parse_hami_geometries(text: str) -> list[HamiModel]:
     :raises ValueError: when the text is not that shape; the message names the place (entry and
         geometry numbers, from 1), never the file's content.
     """
-    import yaml  # here: PyYAML costs ~20 ms of every start without a HAMi config
+    import yaml  # here: a start without a HAMi config need not pay for importing PyYAML
 
     try:
         doc = yaml.safe_load(text)

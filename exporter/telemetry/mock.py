@@ -20,6 +20,7 @@ from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from exporter.files import FileReadError, read_text
 from exporter.telemetry.model import DeviceReading, SourceInfo
 from exporter.telemetry.nvml import NvmlSource
 from exporter.telemetry.nvml.mockfile import MockConfigError, parse_mock_file
@@ -46,13 +47,7 @@ class MockSource(NvmlSource):
 
     def __init__(self, path: Path, clock: Callable[[], float] = time.time) -> None:
         self.path = Path(path)
-        try:
-            text = self.path.read_text(encoding="utf-8")
-        except OSError as exc:
-            raise MockConfigError(self.path, f"cannot read the file ({exc.strerror or exc})") from None
-        except UnicodeDecodeError:
-            raise MockConfigError(self.path, "not UTF-8 text") from None
-        description = parse_mock_file(text, str(self.path))
+        description = parse_mock_file(_read(self.path), str(self.path))
         # Imported here: the simulated library (and pynvml) load only where mock devices are used.
         from exporter.telemetry.nvml.simulated import FakeNvml
 
@@ -72,3 +67,22 @@ class MockSource(NvmlSource):
     def close(self) -> None:
         with self.machine.installed():
             super().close()
+
+
+def _read(path: Path) -> str:
+    """The file's text, read as every file a person names is read (:func:`exporter.files.read_text`:
+    a regular file only, opened without blocking, at most 1 MiB): a FIFO or ``/dev/zero`` given as
+    the mock file is an error at once, not a hang or a read without end.
+
+    :raises MockConfigError: ``path: reason``, one line.
+    """
+    try:
+        return read_text(path)
+    except FileReadError as exc:
+        reason = str(exc).removeprefix(f"{path}: ")
+        if reason.startswith(_CANNOT_BE_READ):
+            reason = f"cannot read the file ({reason.removeprefix(_CANNOT_BE_READ)})"
+        raise MockConfigError(path, reason) from None
+
+
+_CANNOT_BE_READ = "cannot be read: "  # exporter.files' wording for an open or read that failed

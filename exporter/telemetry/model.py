@@ -28,6 +28,7 @@ __all__ = [
     "TelemetrySnapshot",
     "TelemetrySource",
     "TelemetryUnavailable",
+    "XID_SCOPES_KEPT",
     "XidCounter",
 ]
 
@@ -179,6 +180,9 @@ class DeviceReading:
     # the fractional plugin divides into shares; a little less than memory.total. None: unknown.
     allocatable_memory_bytes: int | None = None
     numa_node: int | None = None
+    # Counts NVML initialisations of this source (1 for the first): a new one after the driver
+    # went away and came back means the driver was reloaded. None: the source has no such notion.
+    nvml_generation: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,6 +193,12 @@ class XidCounter:
     xid: int
     count: int
     last_seen_timestamp: float
+    # The GPU instance of each of the latest events (at most XID_SCOPES_KEPT, oldest first); None:
+    # the event concerned the whole GPU (NVML's 0xFFFFFFFF), as every event of a GPU without MIG.
+    gpu_instance_ids: tuple[int | None, ...] = ()
+
+
+XID_SCOPES_KEPT = 8
 
 
 @dataclass(frozen=True, slots=True)

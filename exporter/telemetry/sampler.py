@@ -5,7 +5,8 @@ on a background thread every ``interval_s`` and publishes one immutable
 :class:`TelemetrySnapshot`. Scrapes only ever read the last published snapshot, so a scrape
 never waits for the driver.
 
-NVML calls have no timeout and can block forever in the kernel (nvml-mig.md §6). Every call
+NVML calls have no timeout and can block forever in the kernel (a wedged driver leaves them in
+uninterruptible sleep, with no error). Every call
 path of a blocking source therefore runs on a worker thread under a deadline:
 
 - ``prepare()`` (init, versions, device list) and each ``read_device(key)`` are separate jobs;

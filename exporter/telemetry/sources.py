@@ -24,7 +24,7 @@ def open_source(
 
     :param kind: ``auto`` (NVML when ``nvmlInit`` works, else ``none``), ``nvml``, ``mock`` or ``none``.
     :param mock_file: the device TOML for ``mock`` (Backend.AI's mock-accelerator.toml format).
-    :param pcie: read PCIe throughput (NVML blocks ~20 ms per counter and GPU to sample it).
+    :param pcie: read PCIe throughput (NVML blocks 20 ms per counter and GPU to sample it).
     :raises exporter.telemetry.model.SourceConfigError: the mock file is missing or invalid, or
         ``nvml`` was asked for and ``nvmlInit`` fails (the CLI exits with status 2).
     :raises ValueError: unknown kind, or ``mock`` without a file (settings validation prevents both).

@@ -2,8 +2,8 @@
 
 HTTP/1.1 parsing and framing is h11's; this module is the connection manager around it. Why not
 ``prometheus_client.start_http_server`` or aiohttp: the first spends a thread per connection (no
-bound) and runs the TLS handshake inside ``accept()`` (one silent client blocks every other one,
-tooling.md §5); neither has per-connection deadlines, a connection cap that evicts silent clients,
+bound) and runs the TLS handshake inside ``accept()`` (one silent client blocks every other
+one); neither has per-connection deadlines, a connection cap that evicts silent clients,
 or a budget for response bytes held for clients that do not read. Here:
 
 * the listening socket (backlog 4096) is drained in batches by the loop itself. A new connection
@@ -11,23 +11,28 @@ or a budget for response bytes held for clients that do not read. Here:
   transport, no TLS state. One that sends nothing within ``first_byte_timeout`` is closed;
 * at most ``max_connections`` are open. When a new one arrives at the cap, the oldest connection
   that has not sent a byte is closed to make room, else the oldest that is between requests
-  (idle keep-alive, or a request head still arriving), so a flood of silent connects cannot starve
-  a real scraper;
+  (idle keep-alive, or a request head still arriving), else the one that has been writing its
+  response the longest (a client that does not read), so neither a flood of silent connects nor
+  one of clients that ask and never read can starve a real scraper;
 * TLS is started per connection with the *current* certificate (rotation needs no restart) and a
   handshake deadline;
 * a request head must arrive within ``header_timeout`` of its first byte (slowloris), be at most
   ``max_header_bytes`` (431) and carry a body of at most ``max_body_bytes`` (413); framing is strict
   and matches Go's net/http on the corpus in tests/web/test_server_framing.py;
 * an idle keep-alive connection is closed after ``idle_timeout``; a response must be taken by the
-  client within ``write_timeout`` or the connection is closed. Bodies go out in 64 KiB pieces, so
-  user-space buffering per connection stays at about one piece;
+  client within ``write_timeout`` or the connection is closed. Bodies go out in pieces of 16 KiB
+  (doubling up to 64 KiB while the client takes them as fast as they are written), and a
+  connection's transport buffers at most ~16 KiB more, so a client that does not read costs about
+  one piece of user-space memory, never a copy of its response;
 * routes marked ``offload=True`` (JSON documents, what-if placement) run on a small worker pool
-  with a cap on requests in flight; over the cap they get 503 with ``Retry-After`` at once. Their
-  response bodies count against ``max_held_bytes`` until written; over it, new offloaded requests
-  get 503 too. ``/metrics`` is answered on the loop from bytes already rendered; after a change
-  it renders on a thread of its own (``Route.cached``), so a render never holds up the loop (other
-  scrapes, health checks) and is never queued behind, or refused for, an offloaded request.
-  Everything else runs on the loop;
+  with a cap on requests in flight; over the cap they get 503 with ``Retry-After`` at once.
+  ``/metrics`` is answered on the loop from bytes already rendered; after a change it renders on a
+  thread of its own (``Route.cached``), so a render never holds up the loop (other scrapes, health
+  checks) and is never queued behind an offloaded request. Everything else runs on the loop;
+* the bodies of both (documents and expositions) count against ``max_held_bytes`` until written,
+  each distinct body once however many clients it is being sent to (every scrape of one render
+  gets the same bytes object from the collector). Past the budget, a new request whose body is not
+  already held gets 503 with ``Retry-After`` at once (an exposition without being rendered);
 * bcrypt for basic auth runs in one worker thread, fairly across client addresses
   (:class:`exporter.web.auth.Authenticator`); verified credentials are cached and never wait.
 
@@ -65,7 +70,8 @@ __all__ = ["HttpServer", "Limits", "Request", "Response", "Route", "Router"]
 log = logging.getLogger(__name__)
 
 _TLS_HANDSHAKE_RECORD = 0x16
-_CHUNK = 64 * 1024  # bytes read or written per step
+_CHUNK = 64 * 1024  # bytes read per step, and the largest piece of a body written per step
+_FIRST_PIECE = 16 * 1024  # the first piece of a body; also the transport's write high-water mark
 _ACCEPT_BATCH = 64  # connections accepted per wake-up, so reads of accepted ones interleave
 _SWEEP_INTERVAL = 0.25  # seconds between checks of silent connections' deadlines
 
@@ -149,18 +155,19 @@ class Limits:
     backlog: int = 4096  # the kernel caps it at net.core.somaxconn
     offload_workers: int = 1  # threads for offloaded routes (more only add GIL contention)
     max_offloaded: int = 4  # offloaded requests running or queued; more -> 503
-    max_held_bytes: int = 32 * 1024 * 1024  # bodies of offloaded responses not yet written; over -> 503
+    max_held_bytes: int = 32 * 1024 * 1024  # distinct response bodies not yet written; over -> 503
 
 
 class _Conn:
     """A connection that has sent its first byte and is served by a task."""
 
-    __slots__ = ("task", "waiting", "since")
+    __slots__ = ("task", "waiting", "since", "writing")
 
     def __init__(self) -> None:
         self.task: asyncio.Task | None = None
         self.waiting = True  # no request in progress: in the handshake, idle, or its head still arriving
         self.since = time.monotonic()
+        self.writing: float | None = None  # since when its response is being written (monotonic)
 
 
 class _Error(Exception):
@@ -176,7 +183,7 @@ class _Error(Exception):
         self.reason = _STATUS_REASONS.get(status, "malformed") if reason == "" else reason
 
 
-# What an error answer counts as; any other status h11 suggests (501: a transfer coding) is malformed too.
+# What an error answer counts as; any other (501: a transfer coding; 417: an expectation) is malformed too.
 _STATUS_REASONS = {0: None, 400: "malformed", 413: "max_body_bytes", 431: "max_header_bytes", 505: "malformed"}
 
 
@@ -226,7 +233,14 @@ class HttpServer:
         self._pool: ThreadPoolExecutor | None = None
         self._renderer: ThreadPoolExecutor | None = None  # one thread: renders for Route.cached
         self._offloaded = 0  # offloaded requests running or queued
-        self._held = 0  # bytes of offloaded response bodies not yet written
+        # Response bodies being written, by id, oldest first. Each distinct body counts once in
+        # _held (bytes); _held_documents is the offloaded routes' share, _dropping what is being
+        # dropped to make room. _latest: the newest exposition body handed out, per encoding.
+        self._writing: dict[int, _Writing] = {}
+        self._held = 0
+        self._held_documents = 0
+        self._dropping = 0
+        self._latest: dict[str, bytes] = {}
         # Counters, written on the loop thread only; the lock makes a snapshot (stats()) consistent.
         self.connections_total = 0
         self._rejected = dict.fromkeys(REJECT_REASONS, 0)
@@ -248,14 +262,20 @@ class HttpServer:
 
     @property
     def held_bytes(self) -> int:
-        """Bytes of offloaded response bodies produced and not yet written."""
+        """Bytes of response bodies (documents and expositions) produced and not yet written, each
+        distinct body once: what ``max_held_bytes`` bounds."""
         return self._held
 
     def stats(self) -> ServerStats:
-        """Refusals by reason and evictions since start, and the bytes held now. Cheap (a copy of
-        a few counters) and safe to call from any thread."""
+        """Refusals by reason and evictions since start, and the bytes of document responses held
+        now. Cheap (a copy of a few counters) and safe to call from any thread.
+
+        The exposition bodies being written are left out of ``held_bytes`` here (they count against
+        the budget all the same): the exposition shows these figures, so a figure that moved with
+        every scrape being written would make each scrape a new render, and the next scrape a new
+        body, instead of all of them sharing one."""
         with self._stats_lock:
-            return ServerStats(rejected=dict(self._rejected), evicted=self._evicted, held_bytes=self._held)
+            return ServerStats(rejected=dict(self._rejected), evicted=self._evicted, held_bytes=self._held_documents)
 
     def start(self) -> None:
         if self._web is not None:
@@ -396,12 +416,16 @@ class HttpServer:
                 self._reject("first_byte_timeout")
 
     def _evict_one(self) -> bool:
-        """Close the oldest silent connection, else the oldest one not in the middle of a request."""
+        """Close the oldest silent connection, else the oldest one not in the middle of a request,
+        else the one whose client has been slowest to take its response (the longest in writing):
+        clients that ask and never read must not keep a scraper out for the write deadline."""
         if self._silent:
             self._drop_silent(next(iter(self._silent)))
             self._evicted_one()
             return True
         waiting = [(c.since, cid) for cid, c in self._conns.items() if c.waiting and c.task is not None]
+        if not waiting:
+            waiting = [(c.writing, cid) for cid, c in self._conns.items() if c.writing is not None and c.task is not None]
         if not waiting:
             return False
         _, cid = min(waiting)
@@ -458,9 +482,9 @@ class HttpServer:
                 return None
         else:
             transport, _ = await loop.connect_accepted_socket(lambda: protocol, conn)
-        # Pause writing at one piece buffered: a client that does not read holds ~64 KiB here,
-        # not its whole response.
-        transport.set_write_buffer_limits(high=_CHUNK)
+        # Pause writing at one small piece buffered: a client that does not read holds ~16-32 KiB
+        # here, not its whole response (a client that reads keeps this buffer empty).
+        transport.set_write_buffer_limits(high=_FIRST_PIECE)
         writer = asyncio.StreamWriter(transport, protocol, reader, loop)
         return reader, writer
 
@@ -534,9 +558,14 @@ class HttpServer:
                 return
             first = False
             state.waiting = False
+            unread = h.their_state is h11.SEND_BODY  # a body it waits to send (Expect: 100-continue)
             response, request = await self._respond(request)
-            close = close or _wants_close(request)
+            close = close or unread or _wants_close(request)
+            state.writing = time.monotonic()
             await self._send(h, writer, request.method, response, close=close)
+            state.writing = None
+            if unread:  # the body may still come: take it before closing, so the answer is not reset
+                await _linger(reader, writer)
             if close or h.our_state is not h11.DONE or h.their_state is not h11.DONE:
                 return
             h.start_next_cycle()
@@ -584,7 +613,10 @@ class HttpServer:
         if head_size > limits.max_header_bytes:
             raise _Error(431, b"request header too large\n")
         close = self._check(event, bytes(head[:head_size]))
-        body = await self._read_body(h, reader, deadline)
+        # Expect: 100-continue with a body: the client waits for a go-ahead before sending it. No
+        # route reads a body, so, as Go's net/http does for a handler that does not read it, the
+        # request is answered at once, without "100 Continue", and the connection closed after.
+        body = b"" if _waits_to_send_body(event) else await self._read_body(h, reader, deadline)
         version = "HTTP/" + event.http_version.decode("ascii")
         target = event.target.decode("latin-1")
         headers: dict[str, str] = {}
@@ -621,6 +653,9 @@ class HttpServer:
         for length in _CONTENT_LENGTH_LINE.findall(head):
             if not length.isdigit():  # h11 merges "5, 5" into 5; Go refuses it
                 raise _Error(400, _BAD_REQUEST)
+        expect = next((value for name, value in event.headers if name == b"expect"), None)
+        if expect is not None and not _expects_continue(expect):
+            raise _Error(417, b"")  # Go's answer to any other expectation (RFC 9110 §10.1.1)
         return close
 
     async def _read_body(self, h: h11.Connection, reader: asyncio.StreamReader, deadline: float) -> bytes:
@@ -687,21 +722,33 @@ class HttpServer:
             return _run_handler(self._handler, request)
         route = self._router.resolve(request)
         if route.cached is not None:
-            response = _run_handler(route.cached, request)
-            if response is not None:
-                return response
-            if self._renderer is None:
-                self._renderer = ThreadPoolExecutor(1, thread_name_prefix="http-render")
-            return await asyncio.get_running_loop().run_in_executor(self._renderer, _run_handler, route.handler, request)
+            return await self._exposition(route, request)
         if not route.offload:
             return _run_handler(route.handler, request)
         return await self._offload(route, request)
+
+    async def _exposition(self, route: Route, request: Request) -> Response:
+        """``/metrics``: the body already rendered, else a render on the render thread; either way
+        it counts against ``max_held_bytes`` (:meth:`_held_response`). When document responses
+        alone fill the budget, the answer is a quick 503, before any render."""
+        assert route.cached is not None
+        response = _run_handler(route.cached, request)
+        if response is None:
+            if self._held_documents >= self.limits.max_held_bytes:
+                self._reject("max_held_bytes")
+                return _busy(_HELD_FULL)
+            if self._renderer is None:
+                self._renderer = ThreadPoolExecutor(1, thread_name_prefix="http-render")
+            response = await asyncio.get_running_loop().run_in_executor(self._renderer, _run_handler, route.handler, request)
+        if request.method == "HEAD" or response.status != 200:
+            return response
+        return self._held_response(response, encoding=response.headers.get("Content-Encoding", ""))
 
     async def _offload(self, route: Route, request: Request) -> Response:
         """Run a document route on the worker pool, or refuse it (503) when the pool's queue or the
         bytes held for slow readers are full."""
         limits = self.limits
-        full = ("max_held_bytes" if self._held >= limits.max_held_bytes
+        full = ("max_held_bytes" if self._held - self._dropping >= limits.max_held_bytes
                 else "max_offloaded" if self._offloaded >= limits.max_offloaded else None)
         if full is not None:
             self._reject(full)
@@ -713,17 +760,55 @@ class HttpServer:
             response = await asyncio.get_running_loop().run_in_executor(self._pool, _run_handler, route.handler, request)
         finally:
             self._offloaded -= 1
-        if self._held + len(response.body) > limits.max_held_bytes and self._held:
-            self._reject("max_held_bytes")
-            return _busy()
-        return _Held(response.status, response.body, response.content_type, response.headers)
+        return self._held_response(response, encoding=None)
+
+    def _held_response(self, response: Response, encoding: str | None) -> Response:
+        """``response`` marked to count against ``max_held_bytes`` while it is written, or a 503.
+
+        A body already being written costs nothing more. A new one must fit: for an exposition
+        (``encoding`` is its Content-Encoding; None: a document), room is first made by dropping
+        the clients still being sent an exposition that a newer one of the same encoding has
+        superseded, oldest first (they are refused, as ``max_held_bytes``, and retry with the
+        current one), so that clients which never read cannot keep scrapes out with bodies of
+        renders long gone; what cannot be made room for is refused with 503."""
+        body = response.body
+        if id(body) not in self._writing:
+            held = self._held - self._dropping
+            over = held + len(body) - self.limits.max_held_bytes
+            if held and over > 0 and (encoding is None or not self._drop_superseded(over, encoding, body)):
+                self._reject("max_held_bytes")
+                return _busy(_BUSY if encoding is None else _HELD_FULL)
+        if encoding is not None:
+            self._latest[encoding] = body  # what supersedes the earlier bodies of its encoding
+        return _Held(response.status, body, response.content_type, response.headers, encoding)
+
+    def _drop_superseded(self, need: int, encoding: str, newer: bytes) -> bool:
+        """Drop the clients of superseded exposition bodies, oldest first, until ``need`` bytes are
+        on their way out (they are released as the clients' tasks end, within this loop turn);
+        False, dropping nobody, if that cannot free enough."""
+        latest = {**self._latest, encoding: newer}
+        superseded = [entry for entry in self._writing.values() if entry.encoding is not None and not entry.dropped
+                      and entry.body is not latest.get(entry.encoding)]
+        if sum(len(entry.body) for entry in superseded) < need:
+            return False
+        for entry in superseded:
+            if need <= 0:
+                break
+            entry.dropped = True
+            self._dropping += len(entry.body)
+            need -= len(entry.body)
+            for task in entry.tasks:
+                task.cancel()
+                self._reject("max_held_bytes")
+        return True
 
     async def _send(self, h: h11.Connection, writer: asyncio.StreamWriter, method: str, response: Response,
                     close: bool) -> None:
         """Write a response; a client that does not take it within ``write_timeout`` is dropped
         (TimeoutError) and counted."""
-        size = len(response.body) if isinstance(response, _Held) else 0
-        self._held += size
+        held = isinstance(response, _Held) and method != "HEAD"
+        if held:
+            self._hold(response)
         try:
             async with asyncio.timeout(self.limits.write_timeout):
                 await _write(h, writer, method, response, close)
@@ -731,7 +816,49 @@ class HttpServer:
             self._reject("write_timeout")
             raise
         finally:
+            if held:
+                self._release(response)
+
+    def _hold(self, response: _Held) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        entry = self._writing.get(id(response.body))
+        if entry is not None:
+            entry.tasks.add(task)
+            return
+        self._writing[id(response.body)] = _Writing(response.body, response.encoding, {task})
+        size = len(response.body)
+        with self._stats_lock:
+            self._held += size
+            if response.encoding is None:
+                self._held_documents += size
+
+    def _release(self, response: _Held) -> None:
+        entry = self._writing[id(response.body)]
+        entry.tasks.discard(asyncio.current_task())
+        if entry.tasks:
+            return
+        del self._writing[id(response.body)]
+        size = len(response.body)
+        if entry.dropped:
+            self._dropping -= size
+        if self._latest.get(response.encoding) is response.body:
+            del self._latest[response.encoding]  # written to everyone: nothing left to supersede
+        with self._stats_lock:
             self._held -= size
+            if response.encoding is None:
+                self._held_documents -= size
+
+
+@dataclass(eq=False)
+class _Writing:
+    """A response body being written: to which connections (their tasks), and whether they are
+    being dropped to make room (:meth:`HttpServer._drop_superseded`)."""
+
+    body: bytes
+    encoding: str | None  # an exposition's Content-Encoding ("" plain); None: a document
+    tasks: set[asyncio.Task]
+    dropped: bool = False
 
 
 async def _write(h: h11.Connection, writer: asyncio.StreamWriter, method: str, response: Response, close: bool) -> None:
@@ -745,9 +872,14 @@ async def _write(h: h11.Connection, writer: asyncio.StreamWriter, method: str, r
         writer.write(h.send(h11.Response(status_code=response.status, headers=headers, reason=reason)))
         if method != "HEAD":
             view = memoryview(body)
-            for offset in range(0, len(body), _CHUNK):
-                for piece in h.send_with_data_passthrough(h11.Data(data=view[offset:offset + _CHUNK])):
+            offset, size = 0, _FIRST_PIECE
+            while offset < len(body):
+                for piece in h.send_with_data_passthrough(h11.Data(data=view[offset:offset + size])):
                     writer.write(piece)
+                offset += size
+                # What the socket did not take is copied into the transport's buffer: a client that
+                # takes every piece at once gets larger ones (fewer steps), one that lags small ones.
+                size = min(size * 2, _CHUNK) if not writer.transport.get_write_buffer_size() else _FIRST_PIECE
                 await writer.drain()
         writer.write(h.send(h11.EndOfMessage()))
     except h11.LocalProtocolError:  # h11 refuses to frame it (never for our own responses)
@@ -759,7 +891,13 @@ async def _write(h: h11.Connection, writer: asyncio.StreamWriter, method: str, r
 
 
 class _Held(Response):
-    """An offloaded route's response: its body counts against ``max_held_bytes`` until written."""
+    """A response whose body counts against ``max_held_bytes`` until written (once per distinct
+    body). ``encoding``: an exposition's Content-Encoding ("" for plain text); None for an
+    offloaded route's document, which :meth:`HttpServer.stats` shows."""
+
+    def __init__(self, status: int, body: bytes, content_type: str, headers: dict[str, str], encoding: str | None) -> None:
+        super().__init__(status, body, content_type, headers)
+        self.encoding = encoding
 
 
 async def _linger(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -786,8 +924,31 @@ def _run_handler(handler: Handler, request: Request) -> Response:
         return Response(500, b"internal error\n")
 
 
-def _busy() -> Response:
-    return Response(503, b"busy: too many document requests in progress, retry later\n", headers={"Retry-After": "1"})
+_BUSY = b"busy: too many document requests in progress, retry later\n"
+_HELD_FULL = b"busy: too many responses not yet taken by their clients, retry later\n"
+
+
+def _busy(message: bytes = _BUSY) -> Response:
+    return Response(503, message, headers={"Retry-After": "1"})
+
+
+def _expects_continue(expect: bytes) -> bool:
+    """Whether an ``Expect`` value has the ``100-continue`` token (any case), as Go's hasToken."""
+    return any(token.strip().lower() == b"100-continue" for token in expect.split(b","))
+
+
+def _waits_to_send_body(event: h11.Request) -> bool:
+    """An HTTP/1.1 request with ``Expect: 100-continue`` that announces a body (Go's condition:
+    a Content-Length other than 0, or chunked)."""
+    if event.http_version != b"1.1":
+        return False
+    expect = next((value for name, value in event.headers if name == b"expect"), None)
+    if expect is None or not _expects_continue(expect):
+        return False
+    for name, value in event.headers:
+        if name == b"transfer-encoding" or (name == b"content-length" and value.strip() != b"0"):
+            return True
+    return False
 
 
 def _wants_close(request: Request) -> bool:

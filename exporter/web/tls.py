@@ -23,6 +23,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from exporter.files import FileReadError, read_bytes
+
 __all__ = [
     "CIPHERS_TLS12",
     "CIPHERS_TLS13",
@@ -146,28 +148,34 @@ def _no_password() -> bytes:
     raise TLSConfigError("the private key is encrypted (exporter-toolkit does not support passphrases either)")
 
 
-def _check_pem_files(tls: TLSSettings) -> None:
-    for what, p in (("cert_file", tls.cert_file), ("key_file", tls.key_file)):
-        if p and not os.path.isfile(p):
-            raise TLSConfigError(f"failed to read {what} ({p}): " + ("no such file" if not os.path.exists(p) else "not a regular file"))
+def _read_pem(what: str, path: str) -> bytes:
+    """A certificate, key or CA file, read as every file a person names is read
+    (:func:`exporter.files.read_bytes`: a regular file only, opened without blocking, at most
+    1 MiB): a reload runs on the serving loop, which a FIFO or a device put in the file's place
+    must not stall, and OpenSSL, given the path, would open whatever is there."""
+    try:
+        return read_bytes(path)
+    except FileReadError as exc:
+        raise TLSConfigError(f"{what} {exc}") from None
 
 
 def _pem_pair(ctx: ssl.SSLContext, tls: TLSSettings) -> None:
-    """The certificate chain and key, from files or inline PEM (handed to OpenSSL as memfd paths:
-    load_cert_chain reads paths only, and the key never touches a disk)."""
+    """The certificate chain and key, from files or inline PEM, handed to OpenSSL as memfd paths
+    (load_cert_chain reads paths only; the key never touches a disk)."""
     fds: list[int] = []
 
-    def as_path(inline: str, name: str) -> str:
+    def as_path(data: bytes, name: str) -> str:
         fd = os.memfd_create(name, os.MFD_CLOEXEC)
         fds.append(fd)
-        os.write(fd, inline.encode())
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
         return f"/proc/self/fd/{fd}"
 
     try:
-        cert = tls.cert_file or as_path(tls.cert, "cert")
-        key = tls.key_file or as_path(tls.key, "key")
-        _check_pem_files(tls)
-        _load_cert_chain(ctx, cert, key)
+        cert = _read_pem("cert_file", tls.cert_file) if tls.cert_file else tls.cert.encode()
+        key = _read_pem("key_file", tls.key_file) if tls.key_file else tls.key.encode()
+        _load_cert_chain(ctx, as_path(cert, "cert"), as_path(key, "key"))
     finally:
         for fd in fds:
             os.close(fd)
@@ -220,15 +228,17 @@ def _client_auth(ctx: ssl.SSLContext, tls: TLSSettings) -> None:
 
 
 def _client_ca(ctx: ssl.SSLContext, tls: TLSSettings) -> None:
+    cadata = tls.client_ca
+    if tls.client_ca_file:
+        try:
+            cadata = _read_pem("tls_server_config.client_ca_file", tls.client_ca_file).decode("ascii")
+        except UnicodeDecodeError:  # PEM is ASCII
+            raise TLSConfigError(f"tls_server_config.client_ca_file {tls.client_ca_file}: not a PEM file") from None
     try:
-        if tls.client_ca_file:
-            ctx.load_verify_locations(cafile=tls.client_ca_file)
-        elif tls.client_ca:
-            ctx.load_verify_locations(cadata=tls.client_ca)
+        if cadata:
+            ctx.load_verify_locations(cadata=cadata)
         else:
             ctx.load_default_certs(ssl.Purpose.CLIENT_AUTH)  # Go uses the system roots then
-    except FileNotFoundError:
-        raise TLSConfigError(f"tls_server_config.client_ca_file: no such file ({tls.client_ca_file})") from None
     except (ssl.SSLError, OSError, ValueError) as exc:
         raise TLSConfigError(f"tls_server_config: cannot load the client CA: {_ssl_reason(exc)}") from None
 

@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
+from exporter.files import MAX_FILE_BYTES, FileReadError, read_text
 from exporter.web.auth import Authenticator, RateLimiter
 from exporter.web.tls import (
     CIPHERS_TLS12,
@@ -72,8 +73,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-MAX_FILE_BYTES = 1 << 20
 
 # exporter-toolkit's extraHTTPHeaders: None = any value (checked only for header injection).
 ALLOWED_HEADERS: Mapping[str, tuple[str, ...] | None] = MappingProxyType({
@@ -611,14 +610,10 @@ class WebConfigFile:
 
 
 def _read(path: str) -> str:
+    """The file's text, read by :func:`exporter.files.read_text`: a regular file only, opened
+    without blocking, at most 1 MiB. A reload runs on the serving loop: a FIFO or a device put in
+    the file's place is refused at once (fail closed), never waited on."""
     try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_FILE_BYTES + 1)
-    except OSError as exc:
-        raise WebConfigError(f"web config {path}: {exc.strerror or exc}") from None
-    if len(data) > MAX_FILE_BYTES:
-        raise WebConfigError(f"web config {path}: larger than {MAX_FILE_BYTES} bytes")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise WebConfigError(f"web config {path}: not UTF-8 text") from None
+        return read_text(path, MAX_FILE_BYTES)
+    except FileReadError as exc:
+        raise WebConfigError(f"web config {exc}") from None

@@ -103,3 +103,31 @@ def test_unknown_capacity_gives_no_share_rather_than_a_guess() -> None:
     k = kernel("00000000-0000-4000-8000-000000000001", {"cuda.device": {"GPU-x": "1"}})
     out = account(clock, Accountant(clock), snapshot=TelemetrySnapshot(source="none"), kernels=[k], attribution=False)
     assert out.shares == {(k.kernel_id, "GPU-x"): 1.0} and out.kernels[k.kernel_id].utilization_ratio is None
+
+
+def test_an_unchanged_node_reuses_its_rates_and_every_result_stays_as_it_was() -> None:
+    """Passes over the same view with nothing measured change no rate: the counters still grow
+    exactly, results handed out earlier never change, and a change settles every counter once."""
+    clock = Clock()
+    snapshot, kernels = dgx(), node_kernels()
+    resolver = DeviceResolver(snapshot, [a.device_id for k in kernels for a in k.allocations])
+    acc = Accountant(clock)
+    first = acc.update(kernels, snapshot, resolver, CapacityConfig(), None, version=1)
+    assert first.allocated_seconds[(K2, GPU[2])] == 0
+    clock.now += 10
+    second = acc.update(kernels, snapshot, resolver, CapacityConfig(), None, version=1)
+    clock.now += 10
+    third = acc.update(kernels, snapshot, resolver, CapacityConfig(), None, version=1)
+    assert second.shares is first.shares  # the same rates: nothing was walked again
+    assert second.allocated_seconds[(K2, GPU[2])] == pytest.approx(10)
+    assert third.allocated_seconds[(K2, GPU[2])] == pytest.approx(20)
+    assert first.allocated_seconds[(K2, GPU[2])] == 0  # an earlier result is unchanged
+    others = [k for k in kernels if k.kernel_id != K2]
+    clock.now += 10
+    fourth = acc.update(others, snapshot, resolver, CapacityConfig(), None, version=2)
+    clock.now += 10
+    fifth = acc.update(others, snapshot, resolver, CapacityConfig(), None, version=2)
+    # K2 ended: its counter took the last interval at the old rate, then stopped.
+    assert fourth.allocated_seconds[(K2, GPU[2])] == pytest.approx(30) == fifth.allocated_seconds[(K2, GPU[2])]
+    assert third.allocated_seconds[(K2, GPU[2])] == pytest.approx(20)
+    assert dict(fifth.allocated_seconds).keys() == dict(fourth.allocated_seconds).keys()

@@ -142,3 +142,19 @@ def test_each_agent_keeps_every_device_whole_and_the_mode_splits_its_total() -> 
     assert a.total == b.total == Decimal("13.5")
     assert a.allocated == Decimal(10) and a.headroom == Decimal("3.5")  # bounded by its total
     assert b.allocated == 0 and b.headroom == Decimal("13.5")  # its own map has GPU-0 free
+
+
+def test_the_affinity_policy_of_agent_toml_reaches_headroom(tmp_path) -> None:
+    from exporter.analysis.placement import AffinityPolicy
+    from exporter.config import resolve
+
+    toml = tmp_path / "agent.toml"
+    toml.write_text('[container]\nscratch-root = "/srv/s"\n[resource]\naffinity-policy = "prefer_single_node"\n')
+    config = resolve(settings(), agent_config=toml, hostname="n")
+    assert config.layout.affinity_policy == "PREFER_SINGLE_NODE"
+    assert config.headroom.affinity is AffinityPolicy.PREFER_SINGLE_NODE
+    toml.write_text('[container]\nscratch-root = "/srv/s"\n')
+    assert resolve(settings(), agent_config=toml, hostname="n").headroom.affinity is AffinityPolicy.INTERLEAVED
+    toml.write_text('[container]\nscratch-root = "/srv/s"\n[resource]\naffinity-policy = "closest"\n')
+    with pytest.raises(ConfigError, match=r"agent.toml: \[resource\] affinity-policy must be one of INTERLEAVED, PREFER_SINGLE_NODE"):
+        resolve(settings(), agent_config=toml, hostname="n")

@@ -25,7 +25,7 @@ DEFAULT = CapacityConfig()
 @pytest.mark.parametrize(
     ("memory", "sms", "expected"),
     [
-        (40 * GiB, 108, "13.5"),  # A100-40GB: SM-bound, min(20, 13.5) (backendai-scratch.md §9)
+        (40 * GiB, 108, "13.5"),  # A100-40GB: SM-bound, min(20, 13.5) (docs/headroom.md, *Units and capacity*)
         (80 * GiB, 108, "13.5"),  # A100-80GB: still SM-bound
         (80 * GiB, 132, "16.5"),  # H100 SXM
         (24 * GiB, 56, "7"),  # A30

@@ -33,7 +33,8 @@ from exporter.analysis.placement import (
 
 D = Decimal
 Q = D("0.1")
-MULTI, SINGLE = NoFragRule.MULTI_DEVICE, NoFragRule.SINGLE_DEVICE
+MULTI, SINGLE, NUMA = NoFragRule.MULTI_DEVICE, NoFragRule.SINGLE_DEVICE, NoFragRule.NUMA_CANDIDATES
+RULES = [NUMA, MULTI, SINGLE]
 
 
 def frees(*values: str, capacity: str = "1") -> list[DeviceFree]:
@@ -72,14 +73,25 @@ def test_headroom_counts_only_what_is_received_in_full() -> None:
 )
 def test_headroom_figures(free: list[str], allowed: str, multi: str, single: str) -> None:
     devices = frees(*free)
-    assert headroom(devices, Q) == D(allowed)
-    assert headroom(devices, Q, MULTI) == D(multi)
-    assert headroom(devices, Q, SINGLE) == D(single)
+    for rule in RULES:  # one NUMA node: the releases differ only in the guard
+        assert headroom(devices, Q, rule) == D(allowed)
+    assert headroom(devices, Q, MULTI, guarded=True) == headroom(devices, Q, NUMA, guarded=True) == D(multi)
+    assert headroom(devices, Q, SINGLE, guarded=True) == D(single)
 
 
 def test_nofrag_bound_is_what_the_guard_accepts() -> None:
     assert nofrag_bound(frees("0.9", "1.0"), Q, MULTI) == D("1.9")
     assert nofrag_bound(frees("0.5", "1.0", "1.0", "1.0"), Q, SINGLE) == D("1.0")
+
+
+def test_on_two_numa_nodes_the_guard_takes_its_capacity_from_the_least_allocated_node() -> None:
+    # 7.5/13.5 and 4.2/10 free on node 0, 4.9/10 on node 1: node 1 is the less allocated, so the
+    # guard's C is 10 and 12.8 may be split 4.3 + 4.2 + 4.3 (as the agent does, quantum 0.1).
+    devices = [DeviceFree("a", D("13.5"), D("6"), 0), DeviceFree("b", D(10), D("5.8"), 0), DeviceFree("c", D(10), D("5.1"), 1)]
+    assert nofrag_bound(devices, Q, NUMA) == headroom(devices, Q, NUMA, guarded=True) == D("12.8")
+    # Without NUMA nodes C would be the freest device's 13.5: nothing above 7.5 up to 13.5 fits.
+    flat = [DeviceFree(d.device_id, d.capacity, d.allocated) for d in devices]
+    assert headroom(flat, Q, NUMA, guarded=True) == D("7.5")
 
 
 def test_whole_devices_count_in_ones() -> None:
@@ -125,6 +137,9 @@ hundredths = st.integers(min_value=-20, max_value=150).map(lambda n: D(n) / 100)
 quanta = st.sampled_from([D("0.01"), D("0.05"), D("0.1"), D("0.25")])
 
 
+numa_nodes = st.sampled_from([None, 0, 1, 2])
+
+
 @st.composite
 def nodes(draw, homogeneous: bool = False):
     count = draw(st.integers(min_value=1, max_value=5))
@@ -133,7 +148,7 @@ def nodes(draw, homogeneous: bool = False):
         if homogeneous
         else draw(st.lists(st.sampled_from([D("0.5"), D(1), D("1.5")]), min_size=count, max_size=count))
     )
-    devices = [DeviceFree(f"gpu{i}", c, c - min(draw(hundredths), c)) for i, c in enumerate(caps)]
+    devices = [DeviceFree(f"gpu{i}", c, c - min(draw(hundredths), c), draw(numa_nodes)) for i, c in enumerate(caps)]
     return devices, draw(quanta)
 
 
@@ -147,7 +162,7 @@ def _largest(devices, quantum, accepts) -> Decimal:
 
 
 @settings(max_examples=300, deadline=None)
-@given(nodes(homogeneous=True), st.sampled_from(list(NoFragRule)))
+@given(nodes(), st.sampled_from(list(NoFragRule)))
 def test_nofrag_bound_equals_search(node, rule) -> None:
     devices, quantum = node
     total = round_down(sum((d.free for d in devices if d.free >= D("0.01")), D(0)), quantum)
@@ -155,38 +170,40 @@ def test_nofrag_bound_equals_search(node, rule) -> None:
     assert nofrag_bound(devices, quantum, rule) == search
 
 
-@settings(max_examples=200, deadline=None)
-@given(nodes(), st.sampled_from([None, MULTI, SINGLE]))
-def test_headroom_equals_largest_request_received_in_full(node, rule) -> None:
+@settings(max_examples=300, deadline=None)
+@given(nodes(), st.sampled_from(RULES), st.booleans())
+def test_headroom_equals_largest_request_received_in_full(node, rule, guarded) -> None:
     devices, quantum = node
 
     def full(request: Decimal) -> bool:
-        result = evenly(devices, request, quantum, rule)
+        result = evenly(devices, request, quantum, rule, guarded=guarded)
         return isinstance(result, Placement) and result.total == request
 
-    assert headroom(devices, quantum, rule) == _largest(devices, quantum, full)
+    assert headroom(devices, quantum, rule, guarded=guarded) == _largest(devices, quantum, full)
 
 
 @settings(max_examples=200, deadline=None)
 @given(nodes())
 def test_figures_are_ordered(node) -> None:
     devices, quantum = node
-    s = summarize(devices, quantum, MULTI)
-    assert 0 <= s.headroom_nofrag <= s.headroom <= s.free
-    assert 0 <= s.fragmentation_ratio <= 1
-    assert headroom(devices, quantum, SINGLE) <= s.max_single_device_free
+    for rule in RULES:
+        s = summarize(devices, quantum, rule)
+        assert 0 <= s.headroom_nofrag <= s.headroom <= s.free
+        assert 0 <= s.contiguous_nofrag <= s.headroom_nofrag and 0 <= s.contiguous <= s.headroom
+        assert 0 <= s.fragmentation_ratio <= 1
+    assert headroom(devices, quantum, SINGLE, guarded=True) <= s.max_single_device_free
 
 
-@settings(max_examples=100, deadline=None)
-@given(nodes(), st.sampled_from([Policy.EVENLY, Policy.EVENLY_NOFRAG]), st.integers(1, 40))
-def test_count_fits_shortcut_equals_replaying_requests(node, policy, steps) -> None:
+@settings(max_examples=200, deadline=None)
+@given(nodes(), st.sampled_from([Policy.EVENLY, Policy.EVENLY_NOFRAG]), st.integers(1, 40), st.sampled_from(RULES))
+def test_count_fits_shortcut_equals_replaying_requests(node, policy, steps, rule) -> None:
     devices, quantum = node
     request = Request("cuda.shares", steps * quantum)
     replayed, current = 0, devices
-    while isinstance(result := place(current, request, policy, quantum=quantum), Placement):
+    while isinstance(result := place(current, request, policy, quantum=quantum, rule=rule), Placement):
         current = apply_placement(current, result)
         replayed += 1
-    assert count_fits(devices, request, policy, quantum=quantum) == replayed
+    assert count_fits(devices, request, policy, quantum=quantum, rule=rule) == replayed
 
 
 def _gapless(devices, quantum, accepts) -> Decimal:
@@ -198,16 +215,17 @@ def _gapless(devices, quantum, accepts) -> Decimal:
 
 
 @settings(max_examples=300, deadline=None)
-@given(nodes(), st.sampled_from([None, MULTI, SINGLE]))
-def test_contiguous_headroom_is_where_the_first_gap_starts(node, rule) -> None:
+@given(nodes(), st.sampled_from(RULES), st.booleans())
+def test_contiguous_headroom_is_where_the_first_gap_starts(node, rule, guarded) -> None:
     devices, quantum = node
 
     def full(request: Decimal) -> bool:
-        result = evenly(devices, request, quantum, rule)
+        result = evenly(devices, request, quantum, rule, guarded=guarded)
         return isinstance(result, Placement) and result.total == request
 
-    assert contiguous_headroom(devices, quantum, rule) == _gapless(devices, quantum, full)
-    assert contiguous_headroom(devices, quantum, rule) <= headroom(devices, quantum, rule)
+    gapless = contiguous_headroom(devices, quantum, rule, guarded=guarded)
+    assert gapless == _gapless(devices, quantum, full)
+    assert gapless <= headroom(devices, quantum, rule, guarded=guarded)
 
 
 def test_with_fragmentation_disallowed_the_sizes_that_fit_have_gaps() -> None:
@@ -215,11 +233,11 @@ def test_with_fragmentation_disallowed_the_sizes_that_fit_have_gaps() -> None:
     # are no larger than one device and no device has them free.
     devices = [DeviceFree("GPU-a", D("13.5"), D("6.24")), DeviceFree("GPU-b", D("13.5"), D("6.25"))]
     q = D("0.01")
-    assert headroom(devices, q, MULTI) == D("14.51")
-    assert contiguous_headroom(devices, q, MULTI) == D("7.26")
+    assert headroom(devices, q, guarded=True) == D("14.51")
+    assert contiguous_headroom(devices, q, guarded=True) == D("7.26")
     for request, fits in [("7.26", True), ("7.27", False), ("10.01", False), ("12", False), ("13.5", False),
                           ("13.51", True), ("14.51", True), ("14.52", False)]:
-        assert isinstance(evenly(devices, D(request), q, MULTI), Placement) is fits, request
+        assert isinstance(evenly(devices, D(request), q, guarded=True), Placement) is fits, request
     assert contiguous_headroom(devices, q) == headroom(devices, q) == D("14.51")  # fragmentation allowed: no gaps
-    s = summarize(devices, q, MULTI)
+    s = summarize(devices, q)
     assert (s.headroom_nofrag, s.contiguous_nofrag, s.contiguous) == (D("14.51"), D("7.26"), D("14.51"))

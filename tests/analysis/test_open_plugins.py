@@ -68,12 +68,36 @@ def test_cuda_open_ordinals_with_gaps_join_with_telemetry() -> None:
     assert [resolver.label(d) for d in snap.devices] == ["0", "1", "2", "3"]
 
 
-def test_ratio_capacities_divide_cuda_mem_by_the_device_memory() -> None:
+def test_ratio_capacities_are_the_one_slot_each_device_registers(caplog) -> None:
     from exporter.analysis.capacity import GpuInventory
-    from exporter.analysis.node import Inventory, NodeState, ratio_capacities
-    from exporter.analysis.placement import DeviceFree
+    from exporter.analysis.node import MigInstanceDevice, ratio_capacities
+    from exporter.scratch.allocation import ratio_alloc_map
 
-    state = NodeState({"cuda.shares": (DeviceFree("GPU-a", Decimal("13.5"), Decimal("0.5")),)})
-    inventory = Inventory((GpuInventory("GPU-a", 80 * 2**30, 108), GpuInventory("GPU-b", None, None)))
-    assert ratio_capacities(state, inventory) == {("cuda.shares", "GPU-a"): Decimal("13.5"),
-                                                  ("cuda.mem", "GPU-a"): Decimal(80 * 2**30)}
+    GiB = 2**30
+    text = (
+        'SCRATCH_SIZE=0m\nMOUNTS=\nSLOTS={"cuda.shares":"1.5","cuda.device":"1","cuda.mem":"1073741824"}\n'
+        "CUDA.SHARES_SHARES=GPU-ratio-a:1.5\nCUDA.DEVICE_SHARES=GPU-ratio-a:1\nCUDA.MEM_SHARES=GPU-ratio-a:1073741824\n"
+        "CUDA.DEVICE:1G.10GB-MIG_SHARES=MIG-ratio-9:1\n"
+    )
+    book = AllocationBook(clock=lambda: 0.0)
+    book.apply("k1", "/scratch", parse_resource(text))
+    book.apply("k2", "/scratch", parse_resource(text))
+    view = book.view()
+    inventory = Inventory((GpuInventory("GPU-ratio-a", 40 * GiB, 108, 0), GpuInventory("GPU-ratio-b", None, None)),
+                          (MigInstanceDevice("MIG-ratio-9", "cuda.device:1g.10gb-mig", 1),))
+    state = node_state(view, inventory, HeadroomParams(mode="fractional"))
+    assert [d.numa_node for d in state.slots["cuda.shares"]] == [0]
+    # A GPU handed out as shares registers cuda.shares only (not the cuda.device row a kernel's
+    # allocation adds), a MIG device its profile's slot, and nothing registers cuda.mem.
+    capacities = ratio_capacities(state, inventory)
+    assert capacities == {("cuda.shares", "GPU-ratio-a"): Decimal("13.5"), ("cuda.device:1g.10gb-mig", "MIG-ratio-9"): 1}
+    # As the 26.9.6 agent sums it: 3/13.5 shares, plus 2 devices and 2 GiB of memory added raw.
+    with caplog.at_level("WARNING", logger="exporter.scratch.allocation"):
+        ratio = view.alloc_map_ratio(capacities)
+        assert view.alloc_map_ratio(capacities) == ratio  # the next request logs nothing new
+    assert ratio == {"GPU-ratio-a": str((Decimal(3) / Decimal("13.5") + 2 + 2 * GiB).quantize(Decimal("0.0001"))),
+                     "MIG-ratio-9": "2.0000"}
+    raw = [r.getMessage() for r in caplog.records if "raw amount" in r.getMessage()]
+    assert len(raw) == 2 and {"cuda.device on device GPU-ratio-a", "cuda.mem on device GPU-ratio-a"} == {
+        m.split(" is added")[0].removeprefix("ratio alloc map: ") for m in raw}
+    assert ratio_alloc_map([], capacities) == {}

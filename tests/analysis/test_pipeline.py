@@ -178,3 +178,16 @@ def test_what_if_names_the_parameter() -> None:
             assert str(exc).startswith(name)
         else:
             raise AssertionError("accepted")
+
+
+def test_one_gpu_named_two_ways_is_one_device_of_the_node_state() -> None:
+    book, telemetry = AllocationBook(clock=lambda: 0.0), Telemetry(snapshot("GPU-a1b2", "GPU-c3d4"))
+    book.apply("k1", "/scratch", parse_resource(resource("GPU-a1b2:4.5")))
+    book.apply("k2", "/scratch", parse_resource(resource("a1b2:7")))  # the mock plugin's bare uuid
+    model = pipeline(book, telemetry).step()
+    devices = {d.device_id: d for d in model.state.slots["cuda.shares"]}
+    assert set(devices) == {"GPU-a1b2", "GPU-c3d4"}
+    assert devices["GPU-a1b2"].allocated == Decimal("11.5") and devices["GPU-a1b2"].free == 2
+    assert headroom(model) == Decimal("15.5")  # 2 + 13.5, not 9 + 13.5 + 13.5
+    assert model.unknown_devices == {}  # both spellings name a device
+    assert model.view.alloc_map == {"GPU-a1b2": "4.5", "a1b2": "7"}  # the agent's map, as written

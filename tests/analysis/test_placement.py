@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from exporter.analysis.placement import (
+    AffinityPolicy,
     DeviceFree,
     NoFragRule,
     Placement,
@@ -20,6 +21,7 @@ from exporter.analysis.placement import (
     apply_placement,
     link_score,
     nofrag_rejection,
+    numa_chain,
     place,
     round_down,
 )
@@ -74,6 +76,63 @@ def test_guard_before_26_4_rejects_any_multi_device_request() -> None:
     assert amounts(
         run(with_free("0.5", "1.0"), "0.9", Policy.EVENLY_NOFRAG, quantum="0.1", rule=NoFragRule.SINGLE_DEVICE)
     ) == {"gpu1": "0.9"}
+
+
+# --- NUMA nodes (the affinity hint resources.allocate() always passes) --------------------------
+
+
+def numa(*rows: tuple[str, str, int | None]) -> list[DeviceFree]:
+    """Devices n0, n1, … given as (capacity, free, NUMA node)."""
+    return [DeviceFree(f"n{i}", D(c), D(c) - D(f), node) for i, (c, f, node) in enumerate(rows)]
+
+
+def test_numa_chain_puts_the_least_allocated_node_first_and_interleaves() -> None:
+    devs = numa(("10", "2", 0), ("10", "9", 0), ("10", "5", 1), ("10", "4", 1), ("10", "3", 2))
+    # Allocated: node 0 9, node 1 11, node 2 7 (node 2 first, then 0, then 1); free order within a node.
+    assert [d.device_id for d in numa_chain(devs)] == ["n4", "n1", "n2", "n0", "n3"]
+    assert [d.device_id for d in numa_chain(devs, AffinityPolicy.PREFER_SINGLE_NODE)] == ["n4", "n1", "n0", "n2", "n3"]
+    # Equal allocations: the node with more devices first, then the one enumerated first.
+    even = numa(("10", "10", 1), ("10", "10", 0), ("10", "10", 0))
+    assert [d.device_id for d in numa_chain(even, AffinityPolicy.PREFER_SINGLE_NODE)] == ["n1", "n2", "n0"]
+    assert [d.device_id for d in numa_chain(numa(("1", "0.5", None), ("1", "1", None)))] == ["n1", "n0"]
+
+
+def test_guard_capacity_comes_from_the_first_device_of_the_numa_chain() -> None:
+    devs = numa(("13.5", "7.5", 0), ("10", "4.2", 0), ("10", "4.9", 1))
+    for rule in (NoFragRule.NUMA_CANDIDATES, NoFragRule.MULTI_DEVICE):
+        assert nofrag_rejection(devs, D("12.8"), D("0.1"), rule) is None
+    assert amounts(run(devs, "12.8", Policy.EVENLY_NOFRAG, quantum="0.1")) == {"n0": "4.3", "n1": "4.2", "n2": "4.3"}
+    flat = [DeviceFree(d.device_id, d.capacity, d.allocated) for d in devs]
+    assert "no device has 12.8 free" in nofrag_rejection(flat, D("12.8"), D("0.1"))
+    # Before 26.4 the first device of the chain must hold it: node 1's, with 4.9 free.
+    assert "n2, 4.9 free" in nofrag_rejection(devs, D("5"), D("0.1"), NoFragRule.SINGLE_DEVICE)
+
+
+def test_guard_within_one_device_wants_the_rounded_up_part() -> None:
+    # 1.25 with quantum 0.1 is one part of 1.2 that must be 1.3: a device with 1.25 free is not enough.
+    assert nofrag_rejection(devices("2", allocated=["0.75"]), D("1.25"), D("0.1")) is not None
+    assert nofrag_rejection(devices("2", allocated=["0.7"]), D("1.25"), D("0.1")) is None
+
+
+def test_26_9_never_overfills_a_device_where_the_26_4_allocator_does() -> None:
+    # Node 0 (5 free) holds less than node 1 (8 and 1 free), so the chain is 5, 8, 1 and 12 does
+    # not fit on its first device.
+    devs = numa(("10", "5", 0), ("10", "8", 1), ("10", "1", 1))
+    old = run(devs, "12", rule=NoFragRule.MULTI_DEVICE)
+    assert amounts(old) == {"n0": "6", "n1": "6"} and "n0 receives 6.00 with 5 free" in old.note
+    assert amounts(run(devs, "12")) == {"n0": "5", "n1": "7"}
+
+
+def test_26_9_prefers_a_candidate_on_one_numa_node_on_a_tie() -> None:
+    # 6 over two devices is as even on node 0 (4 + 4 free) as across nodes: node 0 (less allocated) wins.
+    devs = numa(("10", "4", 1), ("10", "4", 0), ("10", "4", 0), ("10", "4", 1), ("10", "5", 1))
+    assert amounts(run(devs, "6")) == {"n1": "3", "n2": "3"}
+
+
+def test_26_9_fits_on_any_device_that_holds_the_request() -> None:
+    devs = numa(("10", "3", 0), ("10", "10", 1), ("10", "2.5", 1))
+    assert amounts(run(devs, "4")) == {"n1": "4"}
+    assert amounts(run(devs, "4", rule=NoFragRule.MULTI_DEVICE)) == {"n1": "2", "n2": "2"}
 
 
 # --- upstream FractionAllocMap EVENLY tables (tests/unit/agent/test_alloc_map.py) --------------
@@ -313,7 +372,8 @@ def node_and_request(draw, quantum=None):
     count = draw(st.integers(min_value=1, max_value=6))
     capacity = draw(st.sampled_from([D(1), D("13.5"), D("0.5")]))
     allocated = [min(D(draw(st.integers(0, int(capacity * 100)))) / 100, capacity) for _ in range(count)]
-    devs = [DeviceFree(f"gpu{i}", capacity, a) for i, a in enumerate(allocated)]
+    nodes = draw(st.lists(st.sampled_from([None, 0, 1]), min_size=count, max_size=count))
+    devs = [DeviceFree(f"gpu{i}", capacity, a, n) for i, (a, n) in enumerate(zip(allocated, nodes, strict=True))]
     q = quantum or draw(st.sampled_from([D("0.01"), D("0.1"), D("0.25")]))
     amount = D(draw(st.integers(1, int(capacity * 100 * count)))) / 100
     return devs, q, amount

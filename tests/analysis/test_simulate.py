@@ -32,7 +32,53 @@ def test_1_2_lands_as_0_60_twice() -> None:
     assert doc["headroom"]["before"]["headroom"] == "2.00" and doc["headroom"]["after"]["headroom"] == "0.80"
     table = format_table(result)
     assert "placed 1.20 on 2 device(s): gpu0 0.60, gpu1 0.60" in table
-    assert "gpu0    1         0          1     0.60    0.40" in table
+    assert "gpu0    -     1         0          1     0.60    0.40" in table
+    assert "agent    rule 26.4, affinity-policy INTERLEAVED" in table
+    assert (doc["nofrag_rule"], doc["affinity_policy"]) == ("26.4", "INTERLEAVED")
+
+
+def numa_doc(*devices: tuple[str, str, int | None], rule: str | None = None, affinity: str | None = None) -> dict:
+    """A state of 13.5/10-share devices given as (capacity, free, NUMA node)."""
+    rows = [{"device_id": f"gpu{i}", "capacity": c, "allocated": str(Decimal(c) - Decimal(f)), "numa_node": n}
+            for i, (c, f, n) in enumerate(devices)]
+    doc = {"quantum": "0.1", "slots": {"cuda.shares": rows}}
+    doc |= {"nofrag_rule": rule} if rule else {}
+    doc |= {"affinity_policy": affinity} if affinity else {}
+    return doc
+
+
+def test_on_two_numa_nodes_12_8_shares_split_in_three_as_the_26_9_agent_does() -> None:
+    # 7.5/13.5 and 4.2/10 free on NUMA node 0, 4.9/10 on node 1, fragmentation disallowed: the
+    # guard's capacity is node 1's first device (10), so 12.8 may be split; the default rule is 26.9.
+    doc = numa_doc(("13.5", "7.5", 0), ("10", "4.2", 0), ("10", "4.9", 1))
+    result = result_document(simulate(doc, "cuda.shares=12.8", "evenly-nofrag"))
+    assert result["placement"] == {"gpu0": "4.30", "gpu1": "4.20", "gpu2": "4.30"}
+    assert (result["nofrag_rule"], result["affinity_policy"]) == ("26.9", "INTERLEAVED")
+    assert [d["numa_node"] for d in result["devices"]] == [0, 0, 1]
+    assert "gpu2    1     10" in format_table(simulate(doc, "cuda.shares=12.8", "evenly-nofrag"))
+    # Without NUMA nodes the freest device's 13.5 is the guard's capacity: 12.8 must fit on one device.
+    flat = numa_doc(("13.5", "7.5", None), ("10", "4.2", None), ("10", "4.9", None))
+    assert result_document(simulate(flat, "cuda.shares=12.8", "evenly-nofrag"))["rejection"]["reason"] == "fragmented"
+
+
+def test_the_rule_and_affinity_policy_come_from_the_state() -> None:
+    # Free 3/10 on node 0, 10/10 and 2.5/10 on node 1: node 0 holds less, so its device comes first.
+    doc = numa_doc(("10", "3", 0), ("10", "10", 1), ("10", "2.5", 1))
+    # 26.9 keeps a request that fits on one device there (the tightest fit); before 26.9 only
+    # when the chain's first device holds it, so 4 goes over the chain's windows instead.
+    assert result_document(simulate(doc, "cuda.shares=2"))["placement"] == {"gpu2": "2.00"}
+    assert result_document(simulate(doc, "cuda.shares=4"))["placement"] == {"gpu1": "4.00"}
+    split = {"gpu1": "2.00", "gpu2": "2.00"}
+    assert result_document(simulate(doc | {"nofrag_rule": "26.4"}, "cuda.shares=4"))["placement"] == split
+    # Before 26.4 the guard wants the request on the chain's first device (gpu0 here, 3 free).
+    assert simulate(doc | {"nofrag_rule": "before-26.4"}, "cuda.shares=4", "evenly-nofrag").outcome.reason == "fragmented"
+    assert simulate(doc | {"nofrag_rule": "before-26.4"}, "cuda.shares=3", "evenly-nofrag").placed
+    # Whole devices: one from each node in turn (INTERLEAVED), or one node first.
+    whole = {"slots": {"cuda.device": [{"device_id": f"d{i}", "capacity": "1", "allocated": "0", "numa_node": n}
+                                       for i, n in enumerate([0, 0, 1, 1])]}}
+    assert list(result_document(simulate(whole, "cuda.device=2"))["placement"]) == ["d0", "d2"]
+    single = whole | {"affinity_policy": "PREFER_SINGLE_NODE"}
+    assert list(result_document(simulate(single, "cuda.device=2"))["placement"]) == ["d0", "d1"]
 
 
 def test_1_4_is_accepted_as_two_times_0_7_without_fragmentation() -> None:
@@ -145,7 +191,12 @@ def test_mig_request_takes_one_free_instance() -> None:
         ('{"slots": {"cuda.shares": [{"device_id": "a", "capacity": "1", "allocated": "-1"}]}}', "slots['cuda.shares'][0].allocated is not"),
         ('{"slots": {"cuda.shares": [{"device_id": "a", "capacity": true, "allocated": "0"}]}}', "slots['cuda.shares'][0].capacity is not"),
         ('{"slots": {}, "quantum": "0"}', "quantum must be positive"),
-        ('{"slots": {}, "nofrag_rule": "27"}', "nofrag_rule must be one of before-26.4, 26.4"),
+        ('{"slots": {}, "nofrag_rule": "27"}', "nofrag_rule must be one of before-26.4, 26.4, 26.9"),
+        ('{"slots": {}, "affinity_policy": "nearest"}', "affinity_policy must be one of INTERLEAVED, PREFER_SINGLE_NODE"),
+        ('{"slots": {"cuda.shares": [{"device_id": "a", "capacity": "1", "allocated": "0", "numa_node": -1}]}}',
+         "slots['cuda.shares'][0].numa_node is not a non-negative integer or null"),
+        ('{"slots": {"cuda.shares": [{"device_id": "a", "capacity": "1", "allocated": "0", "numa_node": "0"}]}}',
+         "slots['cuda.shares'][0].numa_node is not"),
         ('{"slots": {}, "links": [{"devices": ["a"], "score": 1}]}', "links[0].devices is not a pair"),
         ('{"slots": {}, "stale": [{"device_id": "a", "slot": "cuda.shares"}]}', "stale[0] has no 'allocated'"),
     ],
@@ -159,5 +210,19 @@ def test_a_malformed_state_says_where_and_why(text: str, reason: str) -> None:
 def test_a_saved_state_round_trips(tmp_path) -> None:
     state = parse_state(json.dumps({"node_state": state_doc("0.5", "1")}))
     assert simulate(state, "cuda.shares=1").placed
+    numa = parse_state(json.dumps(numa_doc(("10", "3", 0), ("10", "10", None), affinity="PREFER_SINGLE_NODE")))
+    assert [d.numa_node for d in numa.slots["cuda.shares"]] == [0, None]
+    assert parse_state(json.dumps(numa.to_json())) == numa
+    # A document from before NUMA nodes and the 26.9 rule: nodes unknown, the defaults apply.
+    old = parse_state(json.dumps({"quantum": "0.01", "slots": state_doc("0.5")["slots"]}))
+    assert (old.slots["cuda.shares"][0].numa_node, old.rule.value, old.affinity.value) == (None, "26.9", "INTERLEAVED")
     with pytest.raises(ValueError, match=r"--state .*missing.json: cannot read the file \(No such file or directory\)"):
         load_state(tmp_path / "missing.json")
+
+
+def test_quotients_are_written_without_their_trailing_zeros() -> None:
+    from exporter.analysis.simulate import _amount_text as _amount
+
+    assert _amount(Decimal("11.96000000000000000000000000")) == "11.96"
+    assert _amount(Decimal("40.00000000000000000000000000")) == "40"
+    assert _amount(Decimal("12.00")) == "12.00" and _amount(Decimal("13.5")) == "13.5"  # as written

@@ -108,7 +108,8 @@ def test_the_exporter_sees_the_planted_events(tmp_path: Path) -> None:
             assert any(not k.allocated for k in attribution.kernels)  # the isolation breach
             lost = [d for d in snap.devices if not d.up]
             assert len(lost) == 1 and lost[0].index == 5
-            play(node, clock, 200)
+            # Past the ends the demo announces for the lost GPU and the breach.
+            play(node, clock, max(p.ends for p in node.promises if p.alert in ("GpuAllocGpuLost", "GpuAllocIsolationBreach")))
             snap, attribution = sample()
             assert all(d.up for d in snap.devices) and all(k.allocated for k in attribution.kernels)
             assert {x.xid for x in snap.xid_errors} == {13, 63, 79}

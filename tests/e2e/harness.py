@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from helpers import require_tool
 
 
 def free_port() -> int:
@@ -331,10 +331,9 @@ class Alertmanager(Process):
         }
         path = work / "alertmanager.yml"
         path.write_text(yaml.safe_dump(config, sort_keys=False))
-        if shutil.which("amtool"):
-            check = subprocess.run(["amtool", "check-config", str(path)], capture_output=True, text=True, timeout=30)
-            if check.returncode != 0:
-                raise AssertionError(f"amtool check-config:\n{check.stdout}{check.stderr}")
+        check = subprocess.run([require_tool("amtool"), "check-config", str(path)], capture_output=True, text=True, timeout=30)
+        if check.returncode != 0:
+            raise AssertionError(f"amtool check-config:\n{check.stdout}{check.stderr}")
         # --cluster.listen-address= (empty) disables HA gossip, which would bind 0.0.0.0:9094.
         super().__init__("alertmanager", ["prometheus-alertmanager", f"--config.file={path}", f"--storage.path={work / 'am-data'}",
                                           f"--web.listen-address=127.0.0.1:{self.port}", "--cluster.listen-address=",

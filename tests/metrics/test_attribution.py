@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 
 import pytest
@@ -125,7 +124,7 @@ def test_families_are_fresh_per_call(result):
     assert [len(m.samples) for m in first] == [len(m.samples) for m in second]
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian package prometheus) not installed")
+@pytest.mark.tools("promtool")
 def test_promtool_check_metrics_is_clean(result):
     text = generate_latest(registry_for(result, process_detail=True))
     checked = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True)

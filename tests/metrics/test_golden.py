@@ -10,7 +10,6 @@ checked against.
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 from decimal import Decimal
 from pathlib import Path
@@ -150,7 +149,7 @@ def test_telemetry_golden(name: str, snapshot, update_golden: bool) -> None:
     assert text == golden.read_text(), "exposition changed; review and run pytest --update-golden"
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian package prometheus) not installed")
+@pytest.mark.tools("promtool")
 @pytest.mark.parametrize("name", ["full.prom", "v100.prom", "mock.prom", "mixed.prom"])
 def test_golden_expositions_are_promtool_clean(name: str) -> None:
     result = subprocess.run(["promtool", "check", "metrics"], input=GOLDEN_FILE.with_name(name).read_bytes(), capture_output=True)

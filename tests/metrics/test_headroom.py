@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 from decimal import Decimal
 
@@ -253,7 +252,7 @@ def test_params_validation() -> None:
     assert Request.parse("cuda.shares=0.5") in HeadroomParams().requests
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
+@pytest.mark.tools("promtool")
 def test_exposition_passes_promtool() -> None:
     view = view_of(k1=resource("GPU-a:0.60,GPU-b:0.60"), k2=resource("GPU-a:2"))
     liveness = {

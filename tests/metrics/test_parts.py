@@ -18,7 +18,7 @@ from exporter.demo import write_kernel
 from exporter.settings import Settings
 from exporter.telemetry.mock import DEMO_DEVICES_FILE
 
-PARTS = ["build", "scratch", "watcher", "mock", "headroom", "attribution", "accounting"]
+PARTS = ["build", "scratch", "watcher", "mock", "headroom", "fleet", "attribution", "ghost", "health", "accounting"]
 # (part, "module:function" of exporter.metrics that builds its families, a family only it emits)
 CASES = [
     ("build", "exporter:build_info", "gpu_alloc_build_info"),
@@ -26,7 +26,10 @@ CASES = [
     ("watcher", "exporter:watcher_families", "gpu_alloc_watcher_up"),
     ("mock", "telemetry:telemetry_families", "gpu_alloc_device_up"),
     ("headroom", "headroom:headroom_families", "gpu_alloc_device_capacity"),
+    ("fleet", "fleet:fleet_families", "gpu_alloc_node_remaining"),
     ("attribution", "attribution:attribution_families", None),
+    ("ghost", "health:ghost_families", None),  # the mock devices list no processes: no ghost figures
+    ("health", "health:health_families", "gpu_alloc_device_health"),
     ("accounting", "accounting:accounting_families", "gpu_alloc_kernel_gpu_share_ratio"),
 ]
 

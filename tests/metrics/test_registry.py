@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gzip
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -53,7 +52,7 @@ def test_golden_metrics(update_golden: bool) -> None:
     assert text == GOLDEN_FILE.read_text(), "exposition changed; review and run pytest --update-golden"
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian package prometheus) not installed")
+@pytest.mark.tools("promtool")
 def test_promtool_check_metrics_is_clean() -> None:
     result = subprocess.run(["promtool", "check", "metrics"], input=render(FIXTURE), capture_output=True)
     assert result.returncode == 0, result.stderr.decode()

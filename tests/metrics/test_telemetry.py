@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import shutil
 import subprocess
 
 import pytest
+from helpers import require_tool
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -75,10 +75,7 @@ def dgx() -> FakeNvml:
 
 
 def promtool_check(text: str) -> None:
-    promtool = shutil.which("promtool")
-    if promtool is None:
-        pytest.skip("promtool not installed (apt-get install prometheus)")
-    result = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True)
+    result = subprocess.run([require_tool("promtool"), "check", "metrics"], input=text, capture_output=True, text=True)
     assert (result.returncode, result.stdout + result.stderr) == (0, "")
 
 

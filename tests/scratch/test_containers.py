@@ -3,7 +3,10 @@ the Docker Engine API does), only that endpoint, bounded answers, and one-line e
 
 from __future__ import annotations
 
+import itertools
 import json
+import socket
+import threading
 import time
 import urllib.parse
 from collections.abc import Iterator
@@ -98,3 +101,61 @@ def test_a_daemon_that_drips_its_answer_is_cut_at_the_deadline(docker: FakeDocke
     with pytest.raises(ContainerListError, match="within 0.3 s"):
         DockerLabels(str(docker.path), timeout=0.3).fetch()
     assert time.monotonic() - started < 2
+
+
+class DrippingDaemon:
+    """A unix socket that answers every connection with ``head`` at once and then ``drip``, one
+    byte every ``interval`` seconds, until the client goes away (a daemon that is wedged, or a
+    hostile one, never finishing its answer)."""
+
+    def __init__(self, path: Path, head: bytes, drip: bytes, interval: float) -> None:
+        self.head, self.drip, self.interval = head, drip, interval
+        self.stop = threading.Event()
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(str(path))
+        self.listener.listen(1)
+        self.listener.settimeout(0.05)
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while not self.stop.is_set():
+            try:
+                conn, _ = self.listener.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                conn.recv(65536)  # the request
+                try:
+                    conn.sendall(self.head)
+                    for byte in itertools.cycle(self.drip):
+                        if self.stop.wait(self.interval):
+                            return
+                        conn.sendall(bytes([byte]))
+                except OSError:  # the client gave up
+                    continue
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(5)
+        self.listener.close()
+
+
+@pytest.mark.parametrize(("head", "drip"), [
+    (b"HTTP/1.1 200 OK\r\n", b"Content-Type: application/json\r\n"),  # one header byte every 0.1 s
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n", b"00000000000000"),  # a chunk-size line
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n[]\r\n", b"                  "),  # a body
+], ids=["headers", "chunk-size-line", "chunked-body"])
+def test_one_deadline_covers_the_whole_answer_however_it_drips(tmp_path: Path, head: bytes, drip: bytes) -> None:
+    """Every byte arrives well within any per-receive timeout, yet the request ends at its one
+    deadline, with the one-line error the app turns into collector_success 0."""
+    daemon = DrippingDaemon(tmp_path / "docker.sock", head, drip, interval=0.1)
+    try:
+        started = time.monotonic()
+        with pytest.raises(ContainerListError) as caught:
+            DockerLabels(str(tmp_path / "docker.sock"), timeout=0.5).fetch()
+        took = time.monotonic() - started
+    finally:
+        daemon.close()
+    assert str(caught.value) == f"{tmp_path / 'docker.sock'}: no complete answer within 0.5 s"
+    assert 0.45 <= took < 1.5, took

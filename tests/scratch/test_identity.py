@@ -48,7 +48,6 @@ def test_torn_empty_and_shapeless_files_give_nothing(text: str) -> None:
     assert parse_recovery(text) is None
 
 
-@pytest.mark.skipif(not SAMPLES.is_dir(), reason="shared recovery samples not present")
 def test_upstream_samples() -> None:
     assert parse_recovery((SAMPLES / "interactive.json").read_text()).user_id == UID
     assert parse_recovery((SAMPLES / "batch-no-owner.json").read_text()).user_id == UNDEFINED

@@ -89,6 +89,32 @@ def test_small_scans_and_one_cpu_read_in_process(monkeypatch) -> None:
     assert [r for _, rs in prefetch.read_batches(by_whom, KERNELS, 64) for r in rs] == [(k, os.getpid()) for k in KERNELS]
 
 
+def large_files(kernel_id: str) -> tuple[str, int, tuple[bytes, tuple[int, int]]]:
+    """A kernel whose files are just under the 1 MiB cap (700 KiB here and 100 KiB), read as the
+    scanner reads them: ``(bytes, stat)`` pairs; paced as :func:`paced`, so both sides read."""
+    time.sleep(0.004 if os.getpid() == PARENT else 0.0005)
+    return kernel_id, os.getpid(), ((b"S" * (700 << 10), (1, 2)), (b"R" * (100 << 10), (3, 4)))
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["helper", "in-process"])
+def test_batches_are_bounded_in_bytes_not_only_in_kernels(helper, monkeypatch, shared: bool) -> None:
+    """64 kernels of ~800 KiB of files were one 51 MiB batch, held three times over in the helper
+    while it pickled and sent it, and twice here while it arrived. A batch now closes at
+    BATCH_BYTES (one kernel's files more at most), from the helper and from this process alike."""
+    if not shared:
+        monkeypatch.setattr(prefetch, "MIN_KERNELS", 10**9)
+    batches = list(prefetch.read_batches(large_files, KERNELS[:120], 64))
+    assert sorted(k for ids, _ in batches for k in ids) == KERNELS[:120]
+    per_kernel = (700 + 100) << 10
+    for ids, reads in batches:
+        assert [k for k, _, _ in reads] == list(ids)
+        assert prefetch.weight(reads) <= prefetch.BATCH_BYTES + per_kernel - 1
+        assert len(ids) <= prefetch.BATCH_BYTES // per_kernel + 1
+    pids = {pid for _, reads in batches for _, pid, _ in reads}
+    assert (len(pids) == 2) == shared and PARENT in pids  # both sides batch by bytes
+    assert prefetch.weight(("x", 7, None, ValueError("e"), [b"ab", (bytearray(3), memoryview(b"c"))])) == 6
+
+
 def test_a_helper_that_dies_midway_costs_nothing(helper) -> None:
     def dies_at_k0100(kernel_id: str) -> tuple[str, int]:
         if kernel_id == "k0100" and os.getpid() != PARENT:

@@ -29,7 +29,8 @@ def gi(profile: str | int, start: int) -> GpuInstance:
     return GpuInstance(profile, start)
 
 
-# Expected figures from nvml-mig.md §4.2 (checked there against the real binding calls).
+# Expected counts on an A100-40GB: a greedy pass over each profile's legal starts, capped by its
+# instance limit (docs/headroom.md, *MIG*).
 @pytest.mark.parametrize(
     ("instances", "expected"),
     [

@@ -4,7 +4,9 @@ NVML binding reads it (exporter/telemetry/mock.py, exporter/telemetry/nvml/mockf
 from __future__ import annotations
 
 import math
+import os
 import threading
+import time
 from dataclasses import fields
 from pathlib import Path
 
@@ -12,6 +14,7 @@ import pynvml
 import pytest
 from helpers import FIXTURES
 
+from exporter.files import MAX_FILE_BYTES
 from exporter.telemetry.mock import DEMO_DEVICES_FILE, MockConfigError, MockSource
 from exporter.telemetry.model import MigPlacement, SourceConfigError
 from exporter.telemetry.nvml import NvmlSource, cuda
@@ -275,3 +278,24 @@ def test_a_bad_file_is_an_error_naming_the_file_and_the_reason(tmp_path: Path, t
 def test_a_missing_file_is_an_error_naming_it(tmp_path: Path) -> None:
     with pytest.raises(MockConfigError, match=r"nope\.toml: cannot read the file"):
         MockSource(tmp_path / "nope.toml")
+
+
+def test_the_mock_file_is_read_as_every_named_file_is_read(tmp_path: Path) -> None:
+    """A FIFO nobody writes (an open would wait for a writer), a link to ``/dev/zero`` (a read
+    without end), a file over 1 MiB or not UTF-8: one line naming the file, at once."""
+    fifo = tmp_path / "fifo.toml"
+    os.mkfifo(fifo)
+    zero = tmp_path / "zero.toml"
+    zero.symlink_to("/dev/zero")
+    big = tmp_path / "big.toml"
+    big.write_bytes(b"#" * (MAX_FILE_BYTES + 1))
+    binary = tmp_path / "binary.toml"
+    binary.write_bytes(b"\xff\xfe")
+    cases = {fifo: "not a regular file", zero: "not a regular file", big: f"larger than {MAX_FILE_BYTES} bytes",
+             binary: "not UTF-8 text", tmp_path / "nope.toml": "cannot read the file (No such file or directory)"}
+    started = time.monotonic()
+    for path, reason in cases.items():
+        with pytest.raises(MockConfigError) as caught:
+            MockSource(path)
+        assert str(caught.value) == f"{path}: {reason}"
+    assert time.monotonic() - started < 5

@@ -385,6 +385,34 @@ def test_reload_users_and_fail_closed_while_broken(tmp_path: Path) -> None:
         assert get(server.port, auth=("prometheus", "s3cret"))[0] == 200
 
 
+def test_a_web_config_or_key_replaced_by_a_fifo_never_stalls_the_loop(pki: Pki, tmp_path: Path) -> None:
+    """Reloads run on the serving loop. A FIFO nobody writes put in place of the web config (an
+    open would wait for a writer) fails closed at once, each request answered 500 while other
+    connections are served; a key replaced by one keeps the previous certificate. Both recover
+    when the file is back."""
+    config = _tls_config(tmp_path, pki)
+    text = config.read_text()
+    ctx = client_context(pki)
+    with serving(config) as server:
+        assert get(server.port, ctx=ctx)[0] == 200
+        (tmp_path / "server.key").unlink()
+        os.mkfifo(tmp_path / "server.key")
+        started = time.monotonic()
+        assert get(server.port, ctx=ctx)[0] == 200  # the previous pair, at once
+        config.unlink()
+        os.mkfifo(config)
+        with ThreadPoolExecutor(4) as pool:
+            codes = list(pool.map(lambda _: get(server.port, ctx=ctx)[0], range(8)))
+        assert codes == [500] * 8  # fail closed, every one answered
+        assert time.monotonic() - started < 5  # nothing waited for a writer
+        config.unlink()
+        config.write_text(text)
+        (tmp_path / "server.key").unlink()
+        shutil.copy(pki.path("server.key"), tmp_path / "server.key")
+        assert get(server.port, ctx=ctx)[0] == 200
+    assert server._web.reload_failures_total >= 2
+
+
 # -- conformance with node_exporter ---------------------------------------------------------------
 
 
@@ -398,7 +426,7 @@ def _outcome(port: int, ctx: ssl.SSLContext | None, auth: tuple[str, str] | None
     return status, headers.get("www-authenticate"), headers.get("x-content-type-options")
 
 
-@pytest.mark.skipif(NODE_EXPORTER is None, reason="Debian's prometheus-node-exporter is not installed")
+@pytest.mark.tools("prometheus-node-exporter")
 def test_same_answers_as_node_exporter(pki: Pki, tmp_path: Path) -> None:
     config = _tls_config(tmp_path, pki, "  client_auth_type: RequireAndVerifyClientCert\n  client_ca_file: ca.crt\n",
                          users={"prometheus": bcrypt_hash("s3cret", cost=4)},
@@ -425,7 +453,7 @@ def test_same_answers_as_node_exporter(pki: Pki, tmp_path: Path) -> None:
         b"Client sent an HTTP request to an HTTPS server.\n")
 
 
-@pytest.mark.skipif(NODE_EXPORTER is None, reason="Debian's prometheus-node-exporter is not installed")
+@pytest.mark.tools("prometheus-node-exporter")
 def test_node_exporter_also_rejects_what_we_reject_at_startup(tmp_path: Path) -> None:
     """An unknown key stops both at startup (node_exporter exits non-zero; our loader raises)."""
     from exporter.web.webconfig import WebConfigError, load_web_config
@@ -469,21 +497,9 @@ def test_environment_is_untouched() -> None:
     assert "SSLKEYLOGFILE" not in os.environ  # a key log would defeat TLS in these tests
 
 
-# -- through the CLI, once --web.config.file is wired into exporter/cli.py ------------------------
+# -- through the command line ----------------------------------------------------------------------
 
 
-def _cli_wired() -> bool:
-    import inspect
-
-    from exporter import cli
-
-    return "WebConfigFile" in inspect.getsource(cli)
-
-
-needs_wiring = pytest.mark.skipif(not _cli_wired(), reason="--web.config.file is not wired into exporter/cli.py yet (patch in the hardening report)")
-
-
-@needs_wiring
 def test_cli_web_config_errors_are_one_line_and_exit_2(tmp_path: Path, capsys) -> None:
     from exporter.cli import main
 
@@ -498,7 +514,6 @@ def test_cli_web_config_errors_are_one_line_and_exit_2(tmp_path: Path, capsys) -
         assert message in err and err.count("\n") == 1, err
 
 
-@needs_wiring
 def test_cli_serves_tls_with_basic_auth(pki: Pki, tmp_path: Path) -> None:
     import re
     import sys

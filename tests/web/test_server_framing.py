@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import time
 from collections.abc import Iterator
 
 import pytest
-from helpers import NODE_EXPORTER, node_exporter
+from helpers import node_exporter
 
 from exporter.web.server import HttpServer, Limits, Request, Response
 
@@ -90,6 +91,16 @@ CORPUS: list[tuple[str, bytes, int, int, str]] = [
      "over our 16 KiB header limit, checked before anything else; Go (1 MiB) sees the missing Host"),
     ("options-asterisk", b"OPTIONS * HTTP/1.1\r\n" + H + b"\r\n", 404, 200,
      "Go's server answers OPTIONS * itself; here it is a path no route serves"),
+    # Expect: the client waits for "100 Continue" before it sends the body (never sent here).
+    ("expect-continue-body-withheld", b"GET /metrics HTTP/1.1\r\n" + H + b"Expect: 100-continue\r\nContent-Length: 5\r\n\r\n",
+     200, 200, ""),
+    ("expect-continue-chunked-withheld", b"POST /metrics HTTP/1.1\r\n" + H + b"Expect: 100-Continue\r\n"
+     b"Transfer-Encoding: chunked\r\n\r\n", 200, 200, ""),
+    ("expect-continue-body-sent", b"GET /metrics HTTP/1.1\r\n" + H + b"Expect: 100-continue\r\nContent-Length: 5\r\n\r\nabcde",
+     200, 200, ""),
+    ("expect-continue-no-body", b"GET /metrics HTTP/1.1\r\n" + H + b"Expect: 100-continue\r\n\r\n", 200, 200, ""),
+    ("expect-other", b"GET /metrics HTTP/1.1\r\n" + H + b"Expect: something-else\r\n\r\n", 417, 417, ""),
+    ("expect-continue-in-a-list-http-1.0", b"GET /metrics HTTP/1.0\r\nExpect: 100-continue, x\r\n\r\n", 200, 200, ""),
 ]
 
 
@@ -136,7 +147,7 @@ def test_corpus_against_our_server() -> None:
     assert got == want
 
 
-@pytest.mark.skipif(NODE_EXPORTER is None, reason="Debian's prometheus-node-exporter is not installed")
+@pytest.mark.tools("prometheus-node-exporter")
 def test_corpus_against_go_net_http() -> None:
     """The Go column is what Go's net/http answers (node_exporter serves with it)."""
     with node_exporter() as port:
@@ -156,3 +167,36 @@ def test_responses_are_framed_as_before() -> None:
                 out += chunk
     head = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\nContent-Length: %d\r\n" % len(BODY)
     assert out == head + b"\r\n" + BODY + head + b"Connection: close\r\n\r\n"
+
+
+def _exchange(port: int, data: bytes) -> tuple[bytes, float]:
+    """Everything the server sends after ``data`` until it closes, and how long that took."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        started = time.monotonic()
+        s.sendall(data)
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+        return out, time.monotonic() - started
+
+
+def test_expect_100_continue_is_answered_at_once_as_go_answers_it() -> None:
+    """A client that sends ``Expect: 100-continue`` waits for a go-ahead before its body. No route
+    reads a body, so, as Go's net/http does for a handler that does not read it (promhttp), the
+    answer comes at once, with no ``100 Continue``, and the connection is closed after it (its
+    next bytes may be the withheld body). The same request without a body keeps the connection."""
+    withheld = b"GET /metrics HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 5\r\n\r\n"
+    with ours() as server:
+        out, took = _exchange(server.port, withheld)
+        assert took < 2  # not the 10 s header deadline
+        assert out.startswith(b"HTTP/1.1 200 OK\r\n") and b"Connection: close\r\n" in out and out.endswith(BODY)
+        assert b"100 Continue" not in out
+        out, _ = _exchange(server.port, withheld + b"abcde" + b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert out.count(b"HTTP/1.1 200 OK") == 1  # closed after the first answer, as Go does
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as s:
+            s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n\r\n" * 2)
+            out = b""
+            while out.count(BODY) < 2 and (chunk := s.recv(65536)):
+                out += chunk
+            assert out.count(b"HTTP/1.1 200 OK") == 2 and b"Connection: close" not in out
+        assert server.stats().rejected["malformed"] == 0

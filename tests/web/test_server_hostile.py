@@ -12,6 +12,7 @@ import base64
 import contextlib
 import gzip
 import http.client
+import random
 import socket
 import subprocess
 import threading
@@ -25,6 +26,7 @@ import pytest
 from helpers import NODE_EXPORTER, node_exporter, wait_for
 
 from exporter.demo import write_kernel
+from exporter.web.auth import Authenticator
 from exporter.web.server import HttpServer, Limits, Request, Response, Route, Router
 from exporter.web.webconfig import WebConfigFile
 
@@ -46,9 +48,9 @@ def serving(handler, limits: Limits | None = None, web_config: Path | None = Non
 
 
 def get(port: int, path: str = "/metrics", *, auth: tuple[str, str] | None = None, source: str = "127.0.0.1",
-        timeout: float = 20) -> tuple[int, dict[str, str], bytes]:
+        timeout: float = 20, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout, source_address=(source, 0))
-    headers = {}
+    headers = dict(headers or {})
     if auth:
         headers["Authorization"] = "Basic " + base64.b64encode(f"{auth[0]}:{auth[1]}".encode()).decode()
     try:
@@ -196,12 +198,12 @@ def test_bytes_held_for_clients_that_do_not_read_are_capped() -> None:
     """Twelve clients ask for a 4 MiB document and never read. At most the budget (8 MiB) plus one
     document is held for them; the others get 503 at once; when the write deadline passes the
     slow readers are dropped and nothing stays held."""
-    body = b"x" * (4 << 20)
+    size = 4 << 20
     built = []
 
     def big(_: Request) -> Response:
         built.append(1)
-        return Response(200, body)
+        return Response(200, b"x" * size)  # built for each request, as a document is
 
     router = Router({"/metrics": Route(lambda _: Response(200, METRICS)), "/big": Route(big, offload=True)})
     limits = Limits(max_held_bytes=8 << 20, max_offloaded=16, write_timeout=2.0, idle_timeout=2.0)
@@ -216,12 +218,132 @@ def test_bytes_held_for_clients_that_do_not_read_are_capped() -> None:
             clients.append(s)
             wait_for(lambda i=i: len(built) + server.stats().rejected["max_held_bytes"] == i + 1 and server._offloaded == 0)
             peak = max(peak, server.held_bytes)
-        assert peak <= limits.max_held_bytes + len(body)
+        assert peak <= limits.max_held_bytes + size
         assert get(server.port)[0] == 200  # scrapes go on
-        assert server.stats().rejected["max_held_bytes"] >= 12 - (limits.max_held_bytes // len(body) + 1)
+        assert server.stats().rejected["max_held_bytes"] >= 12 - (limits.max_held_bytes // size + 1)
         wait_for(lambda: server.held_bytes == 0 and server.open_connections == 0, timeout=20)
         for s in clients:
             s.close()
+
+
+def _exposition_router(version: dict[str, int], renders: list[str], answered: list[bool]) -> tuple[Router, object]:
+    """/metrics served as the exporter serves it (exporter/web/routes.py): the collector's current
+    bytes on the loop, else a render on the render thread. One part is ~2 MiB of samples kept as a
+    gzip member only (as the scratch part is), one is small and changes with ``version``."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    from exporter.metrics.collectors import Part
+    from exporter.metrics.registry import ExporterCollector, render_families
+    from exporter.metrics.text import gzip_member
+
+    def big() -> bytes:
+        renders.append("big")
+        family = GaugeMetricFamily("gpu_alloc_big", "one of many", labels=["kernel_id"])
+        rng = random.Random(1)  # random ids: a gzip body too large to vanish into socket buffers
+        for i in range(40_000):
+            family.add_metric([f"{rng.getrandbits(128):032x}"], i)
+        return gzip_member(render_families([family]))
+
+    def small() -> list:
+        renders.append("small")
+        return [GaugeMetricFamily("gpu_alloc_small", "changes", value=version["small"])]
+
+    collector = ExporterCollector([Part("big", list, lambda: 0, big, gzipped=True),
+                                   Part("small", small, lambda: version["small"])], clock=lambda: 1.7e9)
+
+    def answer(body: bytes | None, gz: bool) -> Response | None:
+        if body is None:
+            return None
+        answered.append(gz)
+        return Response(200, body, "text/plain; version=0.0.4; charset=utf-8", {"Content-Encoding": "gzip"} if gz else {})
+
+    def gz(request: Request) -> bool:
+        return "gzip" in request.headers.get("accept-encoding", "")
+
+    router = Router({"/metrics": Route(lambda r: answer(collector.render(gz(r)), gz(r)),
+                                       cached=lambda r: answer(collector.render_cached(gz(r)), gz(r)))})
+    return router, collector
+
+
+def _never_reads(port: int, gzipped: bool, path: str = "/metrics") -> socket.socket:
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)  # before connect: a tiny window, never read
+    s.connect(("127.0.0.1", port))
+    s.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n".encode() + (b"Accept-Encoding: gzip\r\n" if gzipped else b"") + b"\r\n")
+    return s
+
+
+def _held_by(server: HttpServer) -> list[tuple[int, int]]:
+    """(body size, clients being sent it) for every body the server is writing, oldest first."""
+    return [(len(entry.body), len(entry.tasks)) for entry in list(server._writing.values())]
+
+
+def test_scrapes_that_do_not_read_share_one_body_and_count_against_the_budget() -> None:
+    """Forty clients ask for a plain /metrics (~2.7 MB) and never read: the body is joined (and
+    the gzip-only part decompressed) once and the same bytes object is written to all of them, so
+    it is held once, not forty times. Held bodies count against ``max_held_bytes``:
+
+    * a body that does not fit beside the current ones is refused at once (503, ``max_held_bytes``);
+    * after a change, the clients still being sent the superseded body are dropped to make room
+      for the new one (each counted as ``max_held_bytes``), so clients that never read cannot keep
+      scrapes out with bodies of renders long gone;
+    * when document responses fill the budget, a scrape after a change is refused before rendering.
+    """
+    version = {"small": 0}
+    renders: list[str] = []
+    answered: list[bool] = []
+    router, collector = _exposition_router(version, renders, answered)
+    router.routes["/big"] = Route(lambda _: Response(200, b"d" * (limits.max_held_bytes + 1)), offload=True)
+    plain = collector.render()
+    packed = collector.render(gzipped=True)
+    assert len(plain) > 2_000_000 and len(packed) > 900_000
+    assert collector.render_cached(gzipped=True) is collector.render_cached(gzipped=True) is packed
+    answered.clear()
+    limits = Limits(max_held_bytes=len(plain) + len(packed) // 2, write_timeout=5.0)
+    with serving(router, limits) as server:
+        clients = []
+        try:
+            for _ in range(40):
+                clients.append(_never_reads(server.port, gzipped=False))
+            wait_for(lambda: len(answered) == 40)
+            time.sleep(0.5)  # what the sockets could take has gone into them
+            # One body, written to (nearly) all of them: loopback's socket buffers may take a whole
+            # body of a few, and those are done.
+            held = _held_by(server)
+            assert len(held) == 1 and held[0][0] == len(plain) and held[0][1] >= 30, held
+            assert server.held_bytes == len(plain)
+            assert id(collector.render_cached()) in server._writing  # the collector's own body, no copy
+            assert renders == ["big", "small"]  # rendered once; decompressed for plain once (before)
+            assert server.stats().held_bytes == 0  # the exported figure: document responses only
+
+            # The gzip body does not fit beside the current plain one, which supersedes nothing.
+            status, headers, _ = get(server.port, headers={"Accept-Encoding": "gzip"})
+            assert status == 503 and headers["retry-after"] == "1"
+            assert server.stats().rejected["max_held_bytes"] == 1 and _held_by(server) == held
+
+            # A change: the new plain body supersedes the one the slow clients hold; they are dropped.
+            version["small"] = 1
+            status, _, body = get(server.port)
+            assert status == 200 and b"gpu_alloc_small 1.0" in body and renders[2:] == ["small"]
+            assert server.stats().rejected["max_held_bytes"] == 1 + held[0][1]
+            wait_for(lambda: server.held_bytes == 0 and not server._writing)
+            for s in clients:
+                s.settimeout(5)
+                with contextlib.suppress(ConnectionResetError):
+                    while s.recv(1 << 20):  # what was sent, then the end: closed by the server
+                        pass
+
+            # Document responses alone fill the budget: after a change, refused without a render.
+            slow = _never_reads(server.port, gzipped=False, path="/big")
+            clients.append(slow)
+            wait_for(lambda: server.stats().held_bytes > limits.max_held_bytes)
+            version["small"] = 2
+            renders.clear()
+            assert get(server.port)[0] == 503 and renders == []
+            assert server.stats().rejected["max_held_bytes"] == 2 + held[0][1]
+        finally:
+            for s in clients:
+                s.close()
 
 
 # -- a connection flood -------------------------------------------------------------------------------
@@ -247,6 +369,27 @@ def test_a_flood_of_silent_connections_does_not_starve_a_scraper() -> None:
         finally:
             scraper.close()
             for s in silent:
+                s.close()
+
+
+def test_clients_that_ask_and_never_read_do_not_fill_the_connection_cap() -> None:
+    """Twenty clients take every place under a 20-connection cap, each being sent 8 MB it never
+    reads (more than loopback's socket buffers take). A scrape still gets in: the connection
+    whose client has been slowest to take its response is closed to make room, and counted."""
+    big = b"x" * (8 << 20)
+    router = Router({"/metrics": Route(lambda _: Response(200, METRICS)), "/big": Route(lambda _: Response(200, big))})
+    with serving(router, Limits(max_connections=20)) as server:
+        clients = [_never_reads(server.port, gzipped=False, path="/big") for _ in range(19)]
+        try:
+            for n in range(1, 4):
+                wait_for(lambda: server.open_connections == 19)  # the last scrape's connection gone too
+                clients.append(_never_reads(server.port, gzipped=False, path="/big"))  # the house full again
+                wait_for(lambda: server.open_connections == 20
+                         and all(c.writing is not None for c in list(server._conns.values())))
+                assert get(server.port)[0] == 200
+                assert server.stats().evicted == n and server.stats().rejected["max_connections"] == 0
+        finally:
+            for s in clients:
                 s.close()
 
 
@@ -338,17 +481,47 @@ def test_a_password_flood_from_another_address_never_locks_out_the_scraper(tmp_p
         assert set(codes) <= {401, 429} and 401 in codes
 
 
-def test_failures_are_limited_per_address_and_verified_credentials_still_pass(tmp_path: Path) -> None:
+def test_a_password_flood_from_the_scrapers_own_address_does_not_lock_it_out(tmp_path: Path) -> None:
+    """Right after a start (nothing cached), 64 connections guess passwords from 127.0.0.1, the
+    address the scraper scrapes from. The guesses are slowed down to the failure budget (here 5 %
+    of a core after a 20 ms burst), not refused, so the scraper's first login gets its check
+    within seconds, behind at most the 64 guesses waiting before it; every later scrape is let in
+    at once, from any address. The bcrypt work spent on the guesses stays within the budget."""
     config = _config(tmp_path, b"s3cret", cost=4)
+    stop = threading.Event()
     with serving(lambda r: Response(200, METRICS), web_config=config) as server:
-        auth = server._web.authenticator
-        assert get(server.port, auth=("prometheus", "s3cret"))[0] == 200  # verified: cached
-        codes = [get(server.port, auth=("prometheus", f"guess{i}"))[0] for i in range(auth.failure_burst + 5)]
-        assert codes[:auth.failure_burst] == [401] * auth.failure_burst and set(codes[auth.failure_burst:]) == {429}
-        runs = auth.bcrypt_runs
-        assert get(server.port, auth=("prometheus", "s3cret"))[0] == 200  # the same address, valid: let in
-        assert get(server.port, auth=("prometheus", "another"), source="127.0.0.3")[0] == 401  # others unaffected
-        assert auth.bcrypt_runs == runs + 1
+        auth = server._web.authenticator = Authenticator(peer_share=0.05, peer_burst=0.02,
+                                                         failure_share=0.05, failure_burst=0.02)
+        codes: list[int] = []
+
+        def guesser(n: int) -> None:
+            i = 0
+            while not stop.is_set():
+                codes.append(get(server.port, auth=("prometheus", f"guess-{n}-{i}"), timeout=30)[0])
+                i += 1
+
+        started = time.monotonic()
+        with ThreadPoolExecutor(64) as pool:
+            for n in range(64):
+                pool.submit(guesser, n)
+            try:
+                wait_for(lambda: auth._pending >= 48)
+                scrapes = []
+                for source in ("127.0.0.1", "127.0.0.1", "127.0.0.1", "127.0.0.2", "127.0.0.1"):
+                    t = time.monotonic()
+                    status = get(server.port, auth=("prometheus", "s3cret"), source=source, timeout=10)[0]
+                    scrapes.append((status, time.monotonic() - t, auth.bcrypt_runs))
+                    time.sleep(0.2)
+            finally:
+                stop.set()
+        elapsed = time.monotonic() - started  # the guesses still waiting were answered too
+        assert [status for status, _, _ in scrapes] == [200] * 5, scrapes
+        assert scrapes[0][1] < 8, scrapes  # its turn behind the guesses waiting (~2 s here), not a lockout
+        assert all(seconds < 0.5 for _, seconds, _ in scrapes[1:]), scrapes  # verified: never waits again
+        assert auth.bcrypt_runs - scrapes[1][2] >= 0 and len({runs for *_, runs in scrapes[1:]}) > 1  # the flood went on
+        assert auth.failure_seconds <= 0.02 + 0.05 * elapsed + 0.02, (auth.failure_seconds, elapsed)
+        assert set(codes) == {401}  # slowed down, never refused: no 429 below the waiting caps
+        assert server.stats().rejected["auth_throttled"] == 0
 
 
 def test_a_password_over_72_bytes_is_compared_as_go_does(tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ certificate helpers both use.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import ssl
@@ -325,3 +326,43 @@ def test_of_several_problems_the_same_one_is_reported(text: str, reported: str) 
     with pytest.raises(WebConfigError) as raised:
         parse_web_config(text)
     assert str(raised.value).startswith(f"web config: {reported}"), str(raised.value)
+
+
+# -- the files it names are read as every named file is read -------------------------------------
+
+
+@pytest.mark.parametrize("which", ["web config", "cert_file", "key_file", "client_ca_file"])
+def test_a_fifo_or_a_device_in_place_of_a_file_is_refused_at_once(which: str, pki: Pki, tmp_path: Path) -> None:
+    """A FIFO nobody writes (an open would wait for a writer), or a link to ``/dev/zero`` (a read
+    without end), where the config or a certificate, key or CA file should be: refused at once,
+    one line naming the file, whether at startup or on a reload (which runs on the serving loop)."""
+    names = {"cert_file": "server.crt", "key_file": "server.key", "client_ca_file": "ca.crt"}
+    for name in names.values():
+        shutil.copy(pki.path(name), tmp_path / name)
+    text = (TLS + "  client_auth_type: RequireAndVerifyClientCert\n  client_ca_file: ca.crt\n")
+    path = tmp_path / "web.yml"
+    target = path if which == "web config" else tmp_path / names[which]
+    if which == "web config":
+        os.mkfifo(path)
+    else:
+        path.write_text(text)
+        target.unlink()
+        os.mkfifo(target)
+    started = time.monotonic()
+    with pytest.raises(WebConfigError) as caught:
+        load_web_config(path)
+    assert time.monotonic() - started < 2
+    message = str(caught.value)
+    assert f"{target}: not a regular file" in message and "\n" not in message, message
+    target.unlink()
+    target.symlink_to("/dev/zero")
+    with pytest.raises(WebConfigError, match="not a regular file"):
+        load_web_config(path)
+
+
+def test_an_oversized_certificate_is_refused(pki: Pki, tmp_path: Path) -> None:
+    big = tmp_path / "server.crt"
+    big.write_bytes(pki.path("server.crt").read_bytes() + b"\n" * (1 << 20))
+    path = write_config(tmp_path, f"tls_server_config:\n  cert_file: server.crt\n  key_file: {pki.path('server.key')}\n")
+    with pytest.raises(WebConfigError, match=rf"cert_file {re.escape(str(big))}: larger than 1048576 bytes"):
+        load_web_config(path)

@@ -4,7 +4,7 @@
 touches a driver. :class:`NvmlSource` implements :class:`exporter.telemetry.TelemetrySource`;
 :class:`exporter.telemetry.sampler.TelemetrySampler` calls it from worker threads under a deadline.
 
-Error policy (nvml-mig.md §2.2, §6, §7):
+Error policy, by the NVML return code ``pynvml`` raises:
 
 - ``NOT_SUPPORTED`` → that field is None; ``NO_PERMISSION`` and unexpected codes → None, logged
   once per device and call;
@@ -46,6 +46,7 @@ from types import MappingProxyType
 from typing import Any, TypeVar
 
 from exporter.telemetry.model import (
+    XID_SCOPES_KEPT,
     DeviceReading,
     GpuInstanceReading,
     GpuProcess,
@@ -174,7 +175,7 @@ class NvmlSource:
     """Reads every GPU through NVML.
 
     :param pcie: also read PCIe throughput; NVML samples a counter for 20 ms per direction and
-        GPU, so a cycle on 8 GPUs takes ~320 ms longer (``--telemetry.pcie``).
+        GPU, so each cycle takes 40 ms longer per GPU (``--telemetry.pcie``).
     :param clock: wall clock for timestamps.
     :param event_wait_ms: longest single ``nvmlEventSetWait``; bounds how long the XID thread
         takes to stop.
@@ -194,6 +195,7 @@ class NvmlSource:
         self._event_wait_ms = event_wait_ms
         self._lock = threading.Lock()
         self._initialised = False
+        self._generation = 0  # nvmlInit calls that succeeded: a new one follows a driver reload
         self._broken = False  # a call saw the driver go away: re-initialise on the next prepare()
         self._inflight = 0  # device reads under way, possibly stuck in the driver
         self._versions: tuple[str | None, str | None] = (None, None)
@@ -225,6 +227,7 @@ class NvmlSource:
             except pynvml.NVMLError as exc:
                 raise TelemetryUnavailable(f"nvmlInit failed: {exc}") from None
             self._initialised = True
+            self._generation += 1
             self._versions = (
                 self._get("system", pynvml.nvmlSystemGetDriverVersion),
                 self._cuda_version(self._get("system", pynvml.nvmlSystemGetCudaDriverVersion)),
@@ -263,6 +266,7 @@ class NvmlSource:
                     pci_bus_id=known.pci_bus_id,
                     serial=known.serial,
                     up=False,
+                    nvml_generation=self._generation,
                     last_update_timestamp=self._clock(),
                 )
 
@@ -413,6 +417,7 @@ class NvmlSource:
             pci_bus_id=identity.pci_bus_id,
             serial=identity.serial,
             last_update_timestamp=self._clock(),
+            nvml_generation=self._generation,
             memory_total_bytes=total,
             memory_used_bytes=used,
             memory_reserved_bytes=reserved,
@@ -710,7 +715,8 @@ class NvmlSource:
                     # By handle address: a lost GPU (XID 79) can no longer tell its UUID.
                     uuid = uuids.get(ctypes.cast(data.device, ctypes.c_void_p).value)
                     if uuid is not None:
-                        self._count_xid(uuid, int(data.eventData))
+                        gi = getattr(data, "gpuInstanceId", _NO_ID)
+                        self._count_xid(uuid, int(data.eventData), None if gi in (_NO_ID, None) else int(gi))
         finally:
             with contextlib.suppress(pynvml.NVMLError):
                 pynvml.nvmlEventSetFree(events)
@@ -734,8 +740,9 @@ class NvmlSource:
             uuids[ctypes.cast(h, ctypes.c_void_p).value] = uuid
         return uuids
 
-    def _count_xid(self, uuid: str, xid: int) -> None:
+    def _count_xid(self, uuid: str, xid: int, gpu_instance_id: int | None = None) -> None:
         with self._lock:
             previous = self._xids.get((uuid, xid))
             count = previous.count + 1 if previous else 1
-            self._xids[(uuid, xid)] = XidCounter(uuid, xid, count, self._clock())
+            scopes = ((previous.gpu_instance_ids if previous else ()) + (gpu_instance_id,))[-XID_SCOPES_KEPT:]
+            self._xids[(uuid, xid)] = XidCounter(uuid, xid, count, self._clock(), scopes)

@@ -1,4 +1,4 @@
-"""A fake ``libnvidia-ml`` under the real ``pynvml`` binding (nvml-mig.md §5.3).
+"""A fake ``libnvidia-ml`` under the real ``pynvml`` binding.
 
 :class:`FakeNvml` is a named, realistic machine; ``with fake.installed():`` puts a library object
 in ``pynvml.nvmlLib`` so that every ``pynvml`` function runs its real code (ctypes structs,
@@ -32,8 +32,11 @@ NVML does not keep for itself (total minus reserved). ``cuda_state``: ``"ok"``, 
 Faults: :meth:`lose` (GPU_IS_LOST), :meth:`set_unsupported` (per call or ``"*"``),
 :meth:`set_absent` (older driver), :meth:`hang` (blocks until released), :meth:`fail` (any code),
 ``unprivileged`` (NO_PERMISSION on MIG geometry and parent aggregates), :meth:`unload_driver` /
-:meth:`load_driver`, ``driver_state = "rm_mismatch"``, :meth:`push_xid` (the event queue),
-:meth:`configure_mig` (runtime reconfiguration, legal placements only).
+:meth:`load_driver`, ``driver_state = "rm_mismatch"``, :meth:`push_xid` (the event queue; an
+event may name a GPU instance), :meth:`configure_mig` (runtime reconfiguration, legal placements
+only), :meth:`reset` (a GPU reset: the device answers again with its energy and volatile state
+restarted). A process whose PID no longer exists is just a :meth:`set_processes` entry: NVML
+keeps listing a context whose process died until the driver tears it down.
 """
 
 from __future__ import annotations
@@ -116,7 +119,7 @@ GEOMETRY_CALLS = frozenset(
         "nvmlGpuInstanceGetInfo",
     }
 )
-# Symbols a driver of that branch lacks (nvml-mig.md §1: first binding/driver with each call).
+# Symbols a driver of that branch lacks (each call arrived in a later driver branch).
 ABSENT_BEFORE_R570 = frozenset({"nvmlDeviceGetTemperatureV"})
 ABSENT_IN_R470 = ABSENT_BEFORE_R570 | {
     "nvmlDeviceGetMemoryInfo_v2",
@@ -340,7 +343,7 @@ class FakeNvml:
         self._faults: list[Fault] = []
         self._lock = threading.RLock()
         self._events = threading.Condition()
-        self._event_queue: list[tuple[int, int]] = []  # (gpu index, xid)
+        self._event_queue: list[tuple[int, int, int | None]] = []  # (gpu index, xid, GPU instance)
         self._mig_serial = 0
 
     # -- presets ---------------------------------------------------------------------------
@@ -551,11 +554,25 @@ class FakeNvml:
         with self._lock:
             self.driver_state = "ok"
 
-    def push_xid(self, index: int, xid: int) -> None:
-        """Queue an XID critical-error event from GPU ``index``."""
+    def push_xid(self, index: int, xid: int, gpu_instance_id: int | None = None) -> None:
+        """Queue an XID critical-error event from GPU ``index``; ``gpu_instance_id``: the GPU
+        instance it concerns (None: the whole GPU)."""
         with self._events:
-            self._event_queue.append((index, xid))
+            self._event_queue.append((index, xid, gpu_instance_id))
             self._events.notify_all()
+
+    def reset(self, index: int) -> None:
+        """Reset GPU ``index`` (``nvidia-smi -r``): it answers again, its energy counter and the
+        volatile state restart (pending row remaps take effect, pending retirements are done)."""
+        with self._lock:
+            gpu = self.gpus[index]
+            gpu.lost = False
+            # The counter reads energy_mj + power x (clock - epoch): make it read 0 now.
+            gpu.energy_mj = -int(gpu.power_mw * max(0.0, self._clock() - self._epoch))
+            if gpu.remapped_rows is not None:
+                correctable, uncorrectable, _, failure = gpu.remapped_rows
+                gpu.remapped_rows = (correctable, uncorrectable, 0, failure)
+            gpu.retired_pending = 0
 
     def set_processes(self, index: int, processes: list[tuple[int, int]], mig_index: int | None = None) -> None:
         with self._lock:
@@ -1137,14 +1154,15 @@ class FakeNvml:
             while True:
                 if self._refcount == 0:
                     return UNINITIALIZED
-                for k, (index, xid) in enumerate(self._event_queue):
+                for k, (index, xid, gi) in enumerate(self._event_queue):
                     gpu = self.gpus[index]
                     if gpu.registered_events & pynvml.nvmlEventTypeXidCriticalError:
                         del self._event_queue[k]
                         data = ref._obj
                         data.device = _pointer(pynvml.c_nvmlDevice_t, self._address(gpu))
                         data.eventType, data.eventData = pynvml.nvmlEventTypeXidCriticalError, xid
-                        data.gpuInstanceId = data.computeInstanceId = NO_ID
+                        data.gpuInstanceId = NO_ID if gi is None else gi
+                        data.computeInstanceId = NO_ID if gi is None else 0
                         return SUCCESS
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:

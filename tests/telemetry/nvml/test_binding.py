@@ -152,7 +152,7 @@ def test_remaining_capacity_follows_the_free_memory_slices() -> None:
         reading = source.read_device(0)
         source.close()
     remaining = {p.name: p.remaining for p in reading.mig_profile_capacity}
-    # nvml-mig.md §4.2: one 3g at 4:4 leaves the lower half free.
+    # One 3g instance at start 4 (4 of the 8 memory slices) leaves the lower half free.
     assert remaining == {"1g.10gb": 4, "1g.10gb+me": 1, "1g.20gb": 2, "2g.20gb": 2, "3g.40gb": 1, "4g.40gb": 1, "7g.80gb": 0}
 
 
@@ -185,7 +185,7 @@ def test_not_supported_everywhere_leaves_only_the_identity(dgx: FakeNvml) -> Non
     reading = read_all(source)[2]
     source.close()
     assert reading.uuid == dgx.gpus[2].uuid and reading.up
-    identity = {"uuid", "index", "name", "pci_bus_id", "up", "stale", "last_update_timestamp"}
+    identity = {"uuid", "index", "name", "pci_bus_id", "up", "stale", "last_update_timestamp", "nvml_generation"}
     empty = {"throttle_reasons", "mig_devices", "gpu_instances"}
     from_cuda = {"multiprocessor_count", "allocatable_memory_bytes"}  # libcuda answers regardless of NVML
     assert reading.multiprocessor_count == 108
