@@ -39,7 +39,7 @@ from exporter.scratch.reader import Scanner
 from exporter.scratch.watcher import ScratchWatcher
 from exporter.telemetry.model import TelemetrySnapshot, TelemetrySource
 from exporter.telemetry.sampler import TelemetrySampler
-from exporter.telemetry.sources import open_source
+from exporter.telemetry.sources import SourceChoice, build_source
 from exporter.web.routes import Routes, Served
 from exporter.web.server import Request, Response
 
@@ -119,13 +119,11 @@ class Exporter:
 
     :param config: what the exporter was told, resolved (:func:`exporter.config.resolve`); the
         exporter never raises a configuration error.
-
     :param clock: unix time (kernel state timestamps, staleness, telemetry timestamps).
     :param monotonic: seconds for durations (idle and no-process windows).
-    :param telemetry: a ready telemetry source (tests pass a fake); by default one is opened
-        from ``--telemetry.source`` here.
+    :param telemetry: a ready telemetry source (tests and the demo pass their own); by default the
+        one the configuration chose (``config.telemetry``), else none.
     :param server_stats: the HTTP server's counters, for the ``http`` collector.
-    :raises SourceConfigError: the source cannot be opened (a bad mock file).
     """
 
     def __init__(
@@ -144,7 +142,7 @@ class Exporter:
         self.params = config.headroom
         # Opened now (the mock file is read, NVML probed for ``auto``) so that the telemetry part's
         # ``collector`` name is the source's own from the first render on.
-        self._source = telemetry or open_source(s.telemetry_source, mock_file=s.telemetry_mock_file, pcie=s.telemetry_pcie)
+        self._source = telemetry or build_source(config.telemetry or SourceChoice("none"), pcie=s.telemetry_pcie)
         self.sampler: TelemetrySampler | None = None
         self._monotonic = monotonic
         self._stop = threading.Event()

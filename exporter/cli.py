@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from exporter import __version__
-from exporter.config import DEFAULT_AGENT_CONFIG, Config, check_roots, headroom_params, resolve
+from exporter.config import DEFAULT_AGENT_CONFIG, Config, headroom_params, resolve
 from exporter.logs import setup_logging
 from exporter.sdnotify import notify
 from exporter.settings import ENV_PREFIX, FIELDS, ConfigError, Setting, Settings, parse_listen_address
@@ -126,12 +126,14 @@ def main(argv: list[str] | None = None, *, default_agent_config: Path | None = N
         if command == "demo":  # the demo builds its own node; a real one's agent.toml is not its
             return _demo(settings, extra["cmd_dir"], extra["cmd_seed"], extra["cmd_time_scale"], switches)
         if command == "scan":
-            return _scan(resolve(settings, agent_config=agent_config), extra["cmd_output"])
+            return _scan(resolve(settings, agent_config=agent_config, telemetry=False, roots="exist"), extra["cmd_output"])
         if command == "simulate":
-            return _simulate(resolve(settings, agent_config=agent_config), extra["cmd_request"], extra["cmd_policy"],
-                             extra["cmd_state"], extra["cmd_output"])
-        config = resolve(settings, agent_config=agent_config, collectors=switches, web=True)
-        return serve(config, allow_missing_root=extra["cmd_allow_missing_root"])
+            live = extra["cmd_state"] is None  # without --state the live node is read
+            config = resolve(settings, agent_config=agent_config, telemetry=live, roots="exist" if live else None)
+            return _simulate(config, extra["cmd_request"], extra["cmd_policy"], extra["cmd_state"], extra["cmd_output"])
+        config = resolve(settings, agent_config=agent_config, collectors=switches, web=True,
+                         roots="may-be-missing" if extra["cmd_allow_missing_root"] else "exist")
+        return serve(config)
     except (ConfigError, SourceConfigError) as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
@@ -293,15 +295,13 @@ def _emit(text: str) -> None:
 _SWITCH_INTERVAL_SECONDS = 0.0005
 
 
-def serve(config: Config, *, allow_missing_root: bool = False, on_ready=None, stop: threading.Event | None = None,
-          telemetry=None) -> int:
+def serve(config: Config, *, on_ready=None, stop: threading.Event | None = None, telemetry=None) -> int:
     """Run the exporter until SIGTERM/SIGINT (or ``stop`` is set); ``telemetry``: a ready source
-    instead of the one ``--telemetry.source`` names."""
+    instead of the one ``--telemetry.source`` names. The configuration has checked the roots."""
     from exporter.app import Exporter
     from exporter.web.server import HttpServer
 
     settings = config.settings
-    check_roots(settings, allow_missing_root)
     host, port = parse_listen_address(settings.web_listen_address)
     server: HttpServer | None = None  # bound below; its counters are read only once serving
     exporter = Exporter(config, telemetry=telemetry, server_stats=lambda: server.stats())
@@ -346,7 +346,6 @@ def _scan(config: Config, output: str) -> int:
     from exporter.scratch.reader import Scanner
 
     settings = config.settings
-    check_roots(settings, allow_missing=False)
     book = AllocationBook()
     scanner = Scanner(book, settings.scratch_max_file_bytes)
     for root in settings.scratch_roots:
@@ -391,7 +390,6 @@ def _live_node_state(config: Config):
     """One scan plus one telemetry sample, as the server would see them."""
     from exporter.app import Exporter
 
-    check_roots(config.settings, allow_missing=False)
     exporter = Exporter(config)
     exporter.start()
     try:
@@ -466,7 +464,7 @@ def _demo_living(settings: Settings, base: Path, seed: int | None, time_scale: f
         _print_urls(settings, server, node.base)
 
     with node.running():
-        config = resolve(settings, collectors=collectors, web=True)
+        config = resolve(settings, collectors=collectors, web=True, telemetry=False)  # its own simulated NVML
         return serve(config, on_ready=announce, telemetry=NvmlSource(pcie=settings.telemetry_pcie))
 
 

@@ -41,6 +41,8 @@ from exporter.analysis.shapes import DEFAULT_SHAPES, Shape
 from exporter.scratch.agent_config import AgentConfigError, AgentToml, parse_agent_config
 from exporter.settings import ConfigError, Settings, optional_file, read_config_text
 from exporter.telemetry.mig import parse_hami_geometries
+from exporter.telemetry.model import SourceConfigError
+from exporter.telemetry.sources import SourceChoice, choose_source
 from exporter.units import bounded, parse_decimal
 
 if TYPE_CHECKING:
@@ -67,6 +69,8 @@ class Config:
     :param collectors: collector name -> on/off, for those switched explicitly.
     :param web: the web config (TLS, basic auth), loaded and checked; None without one.
     :param shapes: the request shapes judged per node (``--fleet.shape``).
+    :param telemetry: the telemetry source, decided and checked (NVML probed, the mock file read
+        and parsed); None where the command reads no telemetry (``scan``).
     """
 
     settings: Settings
@@ -75,6 +79,7 @@ class Config:
     collectors: Mapping[str, bool] = field(default_factory=dict)
     web: WebConfigFile | None = None
     shapes: tuple[Shape, ...] = DEFAULT_SHAPES  # --fleet.shape
+    telemetry: SourceChoice | None = None
 
     @property
     def health_state_file(self) -> Path:
@@ -94,6 +99,8 @@ def resolve(
     hostname: str | None = None,
     collectors: Mapping[str, bool] | None = None,
     web: bool = False,
+    telemetry: bool = True,
+    roots: str | None = None,
 ) -> Config:
     """Resolve ``settings`` and the files they name into a :class:`Config`.
 
@@ -102,6 +109,9 @@ def resolve(
     :param hostname: for agents without an id (``i-<hostname>``, as the agent does off a cloud).
     :param collectors: ``--collector.NAME`` switches; an unknown name is an error.
     :param web: load ``--web.config.file`` (only a server needs it).
+    :param telemetry: decide and check the telemetry source (``scan`` reads none).
+    :param roots: check the scratch roots: ``exist`` (each a directory this user can list) or
+        ``may-be-missing`` (one that does not exist yet is waited for); None: not checked.
     :raises ConfigError: one line naming the flag or file and the reason.
     """
     path = settings.agent_config_file or (optional_file(agent_config, "--agent.config") if agent_config else None)
@@ -111,8 +121,11 @@ def resolve(
         log.info("agents from %s: %s", layout.source, ", ".join(layout.agents) or "none")
     headroom = headroom_params(settings, layout.affinity_policy)
     settings = dataclasses.replace(settings, scratch_roots=[Path(r) for r in layout.roots])
+    if roots is not None:
+        check_roots(settings, allow_missing=roots == "may-be-missing")
     return Config(settings, layout, headroom, MappingProxyType(_collectors(collectors or {})),
-                  _web_config(settings) if web else None, shapes=fleet_shapes(settings.fleet_shapes))
+                  _web_config(settings) if web else None, shapes=fleet_shapes(settings.fleet_shapes),
+                  telemetry=_telemetry(settings) if telemetry else None)
 
 
 def _collectors(switches: Mapping[str, bool]) -> dict[str, bool]:
@@ -123,6 +136,13 @@ def _collectors(switches: Mapping[str, bool]) -> dict[str, bool]:
     if unknown:
         raise ConfigError(f"--collector.{unknown[0]}: no such collector (collectors: {', '.join(known)})")
     return dict(switches)
+
+
+def _telemetry(settings: Settings) -> SourceChoice:
+    try:
+        return choose_source(settings.telemetry_source, mock_file=settings.telemetry_mock_file)
+    except SourceConfigError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _web_config(settings: Settings) -> WebConfigFile | None:

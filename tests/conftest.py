@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import SKIPPED_FOR_TOOLS, require_tool
+from processes import SKIPPED_FOR_TOOLS, require_tool
 
 FIXTURES = Path(__file__).parent / "fixtures"
 GOLDEN = Path(__file__).parent / "golden"

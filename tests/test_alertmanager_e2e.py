@@ -33,7 +33,7 @@ import monitoring_checks as mc
 import pytest
 import yaml
 from e2e.harness import Process, Webhook, free_port, wait_until
-from helpers import require_tool
+from processes import require_tool
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = ROOT / "deploy" / "alertmanager" / "alertmanager.yml"

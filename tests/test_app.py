@@ -8,7 +8,8 @@ import time
 from decimal import Decimal
 from pathlib import Path
 
-from helpers import FakeDocker, container, wait_for
+from docker_fake import FakeDocker, container
+from helpers import wait_for
 
 from exporter.analysis.pipeline import STALE_CHECK_SECONDS
 from exporter.app import Exporter

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 from backendai_reference import WITH_CUDA_MEM, scan_gpu_alloc_map
-from helpers import Running, require_tool, wait_for
+from helpers import wait_for
+from processes import Running, require_tool
 
 from exporter.cli import main
 from exporter.demo import write_kernel

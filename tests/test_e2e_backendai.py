@@ -22,8 +22,9 @@ from decimal import Decimal
 from pathlib import Path
 
 import pytest
+from attribution_node import CID, K1, K2, K3, K5, PROC
 from e2e.harness import Process, Prometheus, StaticExpositions, free_port, wait_until
-from helpers import CID, K1, K2, K3, K5, PROC, ROOT
+from helpers import ROOT
 
 from exporter.demo import demo_devices, write_kernel, write_recovery
 

@@ -30,9 +30,9 @@ from decimal import Decimal
 from pathlib import Path
 
 import pytest
-from helpers import require_tool
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from processes import require_tool
 from prometheus_client.parser import text_string_to_metric_families
 
 from exporter.app import Exporter

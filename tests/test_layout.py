@@ -203,8 +203,9 @@ def test_paths_named_in_the_docs_exist(path: Path) -> None:
 
 
 def test_no_test_module_imports_another() -> None:
-    """Shared test code lives in the support modules (helpers, e2e/harness, backendai_reference),
-    never in a test module another one imports: each test file runs on its own."""
+    """Shared test code lives in the support modules (helpers, attribution_node, pki, processes,
+    docker_fake, e2e/harness, backendai_reference), never in a test module another one imports:
+    each test file runs on its own."""
     tests = ROOT / "tests"
     names = {p.stem for p in tests.rglob("test_*.py")}
     found = []

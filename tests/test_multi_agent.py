@@ -10,7 +10,8 @@ from decimal import Decimal
 from pathlib import Path
 
 import pytest
-from helpers import GOLDEN, Running
+from helpers import GOLDEN
+from processes import Running
 
 from exporter.app import Exporter
 from exporter.cli import main

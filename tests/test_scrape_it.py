@@ -31,7 +31,8 @@ import monitoring_checks as mc
 import pytest
 import yaml
 from e2e.harness import free_port, wait_until
-from helpers import ROOT, TOOLS
+from helpers import ROOT
+from processes import TOOLS
 
 README = ROOT / "README.md"
 PROMETHEUS_YML = ROOT / "deploy" / "prometheus" / "prometheus.yml"

@@ -144,18 +144,26 @@ class GhostTracker:
         self._top = holders_per_device
         self._kernel_cap = kernel_memory
         self._pid_cap = pid_memory
-        self._kernels: OrderedDict[str, KernelMemo] = OrderedDict()  # container id -> identity
-        self._by_id: OrderedDict[str, KernelMemo] = OrderedDict()  # kernel id -> identity
+        # Kernels that went away, by container id and by kernel id (most recent last; the oldest
+        # forgotten first); the current ones are read from the view itself.
+        self._kernels: OrderedDict[str, KernelMemo] = OrderedDict()
+        self._by_id: OrderedDict[str, KernelMemo] = OrderedDict()
+        self._current: Mapping[str, Kernel] = {}
         self._pids: OrderedDict[int, _Seen] = OrderedDict()
 
-    def remember(self, kernels: Iterable[Kernel]) -> None:
-        """Note the current kernels' identities (most recent last; the oldest forgotten first)."""
-        for k in kernels:
-            identity = k.identity
-            memo = KernelMemo(k.kernel_id, identity.session_id if identity else "", identity.user_id if identity else "")
-            _put(self._by_id, k.kernel_id, memo, self._kernel_cap)
+    def remember(self, kernels: Mapping[str, Kernel]) -> None:
+        """Note the identities of kernels that left since the last call. The view's mapping is
+        the same object while nothing changed, so a quiet pass costs nothing; a change costs one
+        difference of the two views' keys, not a walk that memorises every kernel."""
+        if kernels is self._current:
+            return
+        for kernel_id in self._current.keys() - kernels.keys():
+            k = self._current[kernel_id]
+            memo = _memo(k)
+            _put(self._by_id, kernel_id, memo, self._kernel_cap)
             if k.container_id:
                 _put(self._kernels, k.container_id.lower(), memo, self._kernel_cap)
+        self._current = kernels
 
     def update(
         self,
@@ -164,7 +172,7 @@ class GhostTracker:
         liveness: Mapping[str, KernelLiveness] | None = None,
     ) -> GhostMemory:
         """Ghost memory of one attributed sample; ``kernels`` the current view's."""
-        self.remember(kernels.values())
+        self.remember(kernels)
         if attribution is None:
             return EMPTY
         liveness = liveness or {}
@@ -201,7 +209,9 @@ class GhostTracker:
             # NVML still lists the PID, but procfs shows another process under it: the holder
             # NVML means has exited and its context was never torn down.
             return GhostCause.DEAD_PROCESS, seen.kernel
-        memo = self._by_id.get(p.kernel_id) if p.kernel_id else None
+        memo = None
+        if p.kernel_id:
+            memo = _memo(kernels[p.kernel_id]) if p.kernel_id in kernels else self._by_id.get(p.kernel_id)
         if seen is None:
             seen = self._pids[p.pid] = _Seen(p.start_time, memo)
             while len(self._pids) > self._pid_cap:
@@ -227,6 +237,11 @@ class GhostTracker:
             return self._procfs.read(pid, "comm")[:_COMM_LIMIT].strip()
         except (OSError, ValueError):
             return None
+
+
+def _memo(k: Kernel) -> KernelMemo:
+    identity = k.identity
+    return KernelMemo(k.kernel_id, identity.session_id if identity else "", identity.user_id if identity else "")
 
 
 def _put(memory: OrderedDict, key: object, value: object, cap: int) -> None:

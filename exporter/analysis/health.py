@@ -248,6 +248,7 @@ class HealthTracker:
         self._clock = clock
         self._latches: dict[str, _Latch] = {}
         self._seen: dict[str, _Seen] = {}
+        self._holders = _HolderCache({}, None)
         doc = store.load()
         if doc is not None:
             if boot_id is not None and doc.get("boot_id") not in (None, boot_id):
@@ -385,14 +386,16 @@ class HealthTracker:
 
     def _report(self, snapshot: TelemetrySnapshot, present: Mapping[str, DeviceReading],
                 kernels: Mapping[str, Kernel], resolver: DeviceResolver, now: float) -> tuple[DeviceHealth, ...]:
-        holders = _holders(kernels, resolver)
+        if not self._holders.covers(kernels, resolver):
+            self._holders = _HolderCache(kernels, resolver)
+        holders = self._holders
         out = []
         for uuid in sorted(set(self._seen) | set(self._latches)):
             latch = self._latches.get(uuid)
             seen = self._seen.get(uuid)
             label = latch.device_id if latch else seen.device_id  # type: ignore[union-attr]
             if latch is not None:
-                refs = tuple(sorted({ref for ref, gi in holders.get(uuid, ())
+                refs = tuple(sorted({ref for ref, gi in holders().get(uuid, ())
                                      if latch.scopes is None or gi is None or gi in latch.scopes}))
                 out.append(DeviceHealth(label, uuid, latch.state, latch.since, latch.reason, latch.xid, latch.scopes, refs))
                 continue
@@ -407,7 +410,7 @@ class HealthTracker:
                     seen.since = now  # ok <-> unknown
                 seen.state = state
                 since = seen.since
-            refs = tuple(sorted({ref for ref, _ in holders.get(uuid, ())})) if state is HealthState.UNKNOWN else ()
+            refs = tuple(sorted({ref for ref, _ in holders().get(uuid, ())})) if state is HealthState.UNKNOWN else ()
             out.append(DeviceHealth(label, uuid, state, since, why, None, None, refs))
         return tuple(out)
 
@@ -424,6 +427,24 @@ def _read_latches(devices: Mapping[str, Any]) -> dict[str, _Latch]:
         except (KeyError, TypeError, ValueError):
             log.warning("health state file: an unreadable entry for GPU %s is ignored", str(uuid)[:64])
     return out
+
+
+class _HolderCache:
+    """:func:`_holders`, computed only when a GPU's health needs its kernels named (a latch, or
+    an unknown state) and kept while the view and the device join are the same objects: a
+    healthy node's pass never walks its kernels."""
+
+    def __init__(self, kernels: Mapping[str, Kernel], resolver: DeviceResolver | None) -> None:
+        self._kernels, self._resolver = kernels, resolver
+        self._value: dict[str, set[tuple[KernelRef, int | None]]] | None = None
+
+    def covers(self, kernels: Mapping[str, Kernel], resolver: DeviceResolver) -> bool:
+        return kernels is self._kernels and resolver is self._resolver
+
+    def __call__(self) -> dict[str, set[tuple[KernelRef, int | None]]]:
+        if self._value is None:
+            self._value = _holders(self._kernels, self._resolver)
+        return self._value
 
 
 def _holders(kernels: Mapping[str, Kernel], resolver: DeviceResolver) -> dict[str, set[tuple[KernelRef, int | None]]]:

@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING
 
 from exporter.analysis.model import Accounting
 from exporter.metrics.collectors import Inputs, Part, register
-from exporter.metrics.families import counter, gauge
+from exporter.metrics.families import counter, escape_label, float_format, gauge
 from exporter.metrics.status import Health
 
 if TYPE_CHECKING:
     from prometheus_client.core import Metric
 
-__all__ = ["accounting_families", "accounting_health"]
+__all__ = ["AccountingText", "accounting_families", "accounting_health"]
 
 _PAIR = ["device_id", "kernel_id"]
 
@@ -80,7 +80,73 @@ def accounting_health(result: Accounting | None) -> Health:
     return Health(result is not None)
 
 
+class AccountingText:
+    """:func:`accounting_families` as exposition text, byte for byte, without prometheus_client's
+    per-sample formatting.
+
+    The counters move at every analysis pass, so this part is rendered again at nearly every
+    scrape; at thousands of kernels the generic renderer escapes and joins every sample's labels
+    each time. Here each (kernel, GPU) pair's label text is built once and kept while the pair
+    exists, the HELP and TYPE lines come from the generic renderer (rendered once, empty), and a
+    render only formats the values.
+    """
+
+    def __init__(self) -> None:
+        self._pairs: dict[tuple[str, str], str] = {}  # (kernel_id, GPU) -> '{device_id="…",kernel_id="…"}'
+        self._order: list[tuple[str, str]] = []
+        self._kernels: dict[str, str] = {}  # kernel_id -> '{kernel_id="…"}'
+        self._heads: list[bytes] | None = None
+
+    def render(self, result: Accounting | None) -> bytes:
+        if result is None:
+            return b""
+        if self._heads is None:
+            from exporter.metrics.registry import render_families  # prometheus_client: loaded to render only
+
+            self._heads = [render_families([family]) for family in accounting_families(Accounting())]
+        fmt = float_format()
+        share_h, util_h, memory_h, allocated_h, used_h = (h.decode() for h in self._heads)
+        names = [line.split(" ", 3)[2] for line in (share_h, util_h, memory_h, allocated_h, used_h)]
+        pairs, order = self._pair_labels(result)
+        out = [share_h]
+        shares = result.shares
+        out += [f"{names[0]}{pairs[key]} {fmt(shares[key])}\n" for key in order if key in shares]
+        measured = sorted((k, use) for k, use in result.kernels.items()
+                          if use.utilization_ratio is not None or use.memory_ratio is not None)
+        out.append(util_h)
+        out += [f"{names[1]}{self._kernel_labels(k)} {fmt(use.utilization_ratio)}\n"
+                for k, use in measured if use.utilization_ratio is not None]
+        out.append(memory_h)
+        out += [f"{names[2]}{self._kernel_labels(k)} {fmt(use.memory_ratio)}\n"
+                for k, use in measured if use.memory_ratio is not None]
+        for head, name, counters in ((allocated_h, names[3], result.allocated_seconds), (used_h, names[4], result.used_seconds)):
+            out.append(head)
+            values = dict(counters.items())
+            out += [f"{name}{pairs[key]} {fmt(values[key])}\n" for key in order if key in values]
+        return "".join(out).encode()
+
+    def _pair_labels(self, result: Accounting) -> tuple[dict[tuple[str, str], str], list[tuple[str, str]]]:
+        """Each pair's label text, and every pair in the exposition's order (kernel, then GPU:
+        the order of sorting the families' keys), both kept while the pairs are the same."""
+        keys = result.shares.keys() | result.allocated_seconds.keys() | result.used_seconds.keys()
+        if keys != self._pairs.keys():  # kernels came or went: drop the others' labels, add the new ones
+            self._pairs = {key: self._pairs.get(key) or f'{{device_id="{escape_label(key[1])}",kernel_id="{escape_label(key[0])}"}}'
+                           for key in keys}
+            self._order = sorted(keys)
+        return self._pairs, self._order
+
+    def _kernel_labels(self, kernel_id: str) -> str:
+        text = self._kernels.get(kernel_id)
+        if text is None:
+            if len(self._kernels) > 4 * max(len(self._pairs), 64):  # measured kernels come and go: stay bounded
+                self._kernels.clear()
+            text = self._kernels[kernel_id] = f'{{kernel_id="{escape_label(kernel_id)}"}}'
+        return text
+
+
 @register("accounting", "GPU share per kernel, measured use over what it holds, chargeback counters", order=60)
 def _accounting(inputs: Inputs) -> list[Part]:
+    text = AccountingText()
     return [Part("accounting", lambda: accounting_families(inputs.model().accounting), lambda: inputs.model().usage_version,
+                 text=lambda: text.render(inputs.model().accounting),
                  health=lambda: accounting_health(inputs.model().accounting))]

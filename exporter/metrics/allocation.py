@@ -15,7 +15,7 @@ from decimal import Decimal
 from typing import TYPE_CHECKING
 
 from exporter.metrics.collectors import Inputs, Part, register
-from exporter.metrics.families import counter, float_format, gauge
+from exporter.metrics.families import counter, escape_label, float_format, gauge
 from exporter.metrics.status import Health
 from exporter.metrics.text import SplicedText
 from exporter.scratch.allocation import AllocationView, Kernel, KernelState, is_accelerator_slot
@@ -140,11 +140,11 @@ class KernelText:
 
 def _encode(kernel_id: str, kernel: Kernel, agent_id: str | None, fmt: Callable[[float], str]) -> tuple[bytes, ...]:
     """The kernel's lines in each of the :data:`_KERNEL_FAMILIES`."""
-    kid = _label(kernel_id)
+    kid = escape_label(kernel_id)
     count, nbytes = [], []
     for a in kernel.allocations:
         if is_accelerator_slot(a.slot):
-            line = f'{{device_id="{_label(a.device_id)}",kernel_id="{kid}",slot="{_label(a.slot)}"}} {fmt(float(a.amount))}\n'
+            line = f'{{device_id="{escape_label(a.device_id)}",kernel_id="{kid}",slot="{escape_label(a.slot)}"}} {fmt(float(a.amount))}\n'
             (nbytes if slot_kind(a.slot) is SlotKind.BYTES else count).append(line)
     name_count, name_bytes, name_info, name_id = (name for name, _ in _KERNEL_FAMILIES)
     i = kernel_identity(kernel_id, kernel, agent_id)
@@ -154,14 +154,9 @@ def _encode(kernel_id: str, kernel: Kernel, agent_id: str | None, fmt: Callable[
         f'{name_info}{{kernel_id="{kid}",state="{kernel.state.value}"}} 1.0\n'.encode(),
         # Identity values are UUIDs, a checked agent id and a session type: nothing to escape
         # but the agent id, which is escaped anyway.
-        f'{name_id}{{agent_id="{_label(i.agent_id)}",kernel_id="{kid}",project_id="{i.project_id}",'
+        f'{name_id}{{agent_id="{escape_label(i.agent_id)}",kernel_id="{kid}",project_id="{i.project_id}",'
         f'session_id="{i.session_id}",session_type="{i.session_type}",user_id="{i.user_id}"}} 1.0\n'.encode(),
     )
-
-
-def _label(value: str) -> str:
-    """A label value escaped as the text format (and prometheus_client) escapes it."""
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
 def unknown_device_families(unknown: Mapping[tuple[str, str], Decimal] | None) -> list[Metric]:

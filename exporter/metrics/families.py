@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from prometheus_client.core import Metric
 
-__all__ = ["counter", "float_format", "gauge"]
+__all__ = ["counter", "escape_label", "float_format", "gauge"]
 
 
 def gauge(name: str, doc: str, labels: Iterable[str] = (), *, value: float | None = None) -> Metric:
@@ -40,3 +40,9 @@ def float_format() -> Callable[[float], str]:
     from prometheus_client.utils import floatToGoString
 
     return floatToGoString
+
+
+def escape_label(value: str) -> str:
+    """A label value escaped as the text format (and prometheus_client) escapes it, for renderers
+    that write exposition text themselves."""
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')

@@ -23,12 +23,12 @@ from typing import TYPE_CHECKING
 from exporter.files import FileReadError, read_text
 from exporter.telemetry.model import DeviceReading, SourceInfo
 from exporter.telemetry.nvml import NvmlSource
-from exporter.telemetry.nvml.mockfile import MockConfigError, parse_mock_file
+from exporter.telemetry.nvml.mockfile import MockConfigError, MockMachine, parse_mock_file
 
 if TYPE_CHECKING:
     from exporter.telemetry.nvml.simulated import FakeNvml
 
-__all__ = ["DEMO_DEVICES_FILE", "MockConfigError", "MockSource"]
+__all__ = ["DEMO_DEVICES_FILE", "MockConfigError", "MockSource", "read_mock_file"]
 
 # The package data directory: exporter/data/.
 DEMO_DEVICES_FILE = Path(__file__).parent.parent / "data" / "demo-devices.toml"
@@ -39,15 +39,17 @@ class MockSource(NvmlSource):
 
     :param path: the TOML file.
     :param clock: seconds since the epoch; patterns, the energy counter and timestamps follow it.
+    :param machine: the file already read and parsed (:func:`read_mock_file`: the configuration
+        does that at start, so opening the source cannot fail on the file); None: read ``path``.
     :raises MockConfigError: an unreadable file, invalid TOML or an invalid entry.
     """
 
     name = "mock"
     may_block = False  # the simulated library answers at once
 
-    def __init__(self, path: Path, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, path: Path, clock: Callable[[], float] = time.time, machine: MockMachine | None = None) -> None:
         self.path = Path(path)
-        description = parse_mock_file(_read(self.path), str(self.path))
+        description = machine if machine is not None else read_mock_file(self.path)
         # Imported here: the simulated library (and pynvml) load only where mock devices are used.
         from exporter.telemetry.nvml.simulated import FakeNvml
 
@@ -67,6 +69,14 @@ class MockSource(NvmlSource):
     def close(self) -> None:
         with self.machine.installed():
             super().close()
+
+
+def read_mock_file(path: Path) -> MockMachine:
+    """The machine a mock device file describes (read bounded, parsed as text).
+
+    :raises MockConfigError: ``path: reason``, one line.
+    """
+    return parse_mock_file(_read(path), str(path))
 
 
 def _read(path: Path) -> str:

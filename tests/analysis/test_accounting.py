@@ -4,7 +4,7 @@ DGX A100 with the recorded /proc tree (tests/helpers.py describes the node)."""
 from __future__ import annotations
 
 import pytest
-from helpers import GPU, K1, K2, K3, K4, K5, MIG, Clock, dgx, kernel, node_kernels, run, tracker
+from attribution_node import GPU, K1, K2, K3, K4, K5, MIG, Clock, dgx, kernel, node_kernels, run, tracker
 
 from exporter.analysis.accounting import Accountant
 from exporter.analysis.capacity import CapacityConfig

@@ -12,7 +12,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from helpers import (
+from attribution_node import (
     CID,
     GPU,
     K1,

@@ -176,10 +176,12 @@ def test_holders_are_bounded_per_device_largest_first(proc):
     assert ghost.bytes == {(GPU0, GhostCause.DEAD_PROCESS): 6 * GIB}  # the sum keeps every holder
 
 
-def test_the_kernel_memory_is_bounded(proc):
+def test_the_kernel_memory_is_bounded_and_holds_the_kernels_that_left(proc):
     node = Node(proc, kernel_memory=2)
-    for i in range(5):
-        node.ghost.remember([kernel(f"k-{i}", f"{i:064x}", {}, "s", "u")])
+    everyone = {f"k-{i}": kernel(f"k-{i}", f"{i:064x}", {}, "s", "u") for i in range(5)}
+    node.ghost.remember(everyone)
+    assert not node.ghost._by_id  # present kernels are read from the view, not memorised
+    node.ghost.remember({})
     assert len(node.ghost._kernels) == 2 and len(node.ghost._by_id) == 2
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from helpers import require_tool
+from processes import require_tool
 
 
 def free_port() -> int:

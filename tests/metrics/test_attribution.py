@@ -5,12 +5,13 @@ from __future__ import annotations
 import subprocess
 
 import pytest
-from helpers import GPU, K1, K2, K4, K5, K6, LEAKED_MIG, MIG, Clock, GiB, dgx, run, tracker
+from attribution_node import GPU, K1, K2, K4, K5, K6, LEAKED_MIG, MIG, Clock, dgx, run, tracker
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.registry import Collector
 
 from exporter.metrics.attribution import attribution_families, attribution_health
 from exporter.metrics.registry import ExporterCollector, Part
+from exporter.telemetry.nvml.simulated import GIB as GiB
 
 FAMILIES = {
     "gpu_alloc_collector_success",

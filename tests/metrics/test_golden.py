@@ -15,7 +15,8 @@ from decimal import Decimal
 from pathlib import Path
 
 import pytest
-from helpers import CID, GOLDEN, K1, K2, K3, K4, K5, K6, PLACEMENT, PROC
+from attribution_node import CID, K1, K2, K3, K4, K5, K6, PLACEMENT, PROC
+from helpers import GOLDEN
 from prometheus_client import CollectorRegistry, generate_latest
 
 from exporter.app import Exporter

@@ -116,3 +116,24 @@ def test_collectors_are_registered_once_in_exposition_order() -> None:
         register("headroom", "again", order=99)(lambda inputs: [])
     with pytest.raises(ValueError, match="unknown collector"):
         build_parts(None, {"nope": True})  # type: ignore[arg-type]
+
+
+def test_the_accounting_text_is_what_prometheus_client_writes() -> None:
+    """The accounting part renders at nearly every scrape: its own renderer must write exactly the
+    text generate_latest writes for its families, labels escaped the same way."""
+    from exporter.analysis.accounting import Accounting, KernelUse
+    from exporter.metrics.accounting import AccountingText, accounting_families
+    from exporter.metrics.registry import render_families
+
+    odd = 'k-"quoted"\\back\nline'
+    result = Accounting(
+        shares={("k1", "GPU-a"): 0.5, (odd, "GPU-b"): 1.0},
+        kernels={"k1": KernelUse(0.25, None), odd: KernelUse(None, 1.0), "k3": KernelUse(None, None)},
+        allocated_seconds={("k1", "GPU-a"): 12.5, (odd, "GPU-b"): 3.0, ("gone", "GPU-a"): 7.0},
+        used_seconds={("k1", "GPU-a"): 1e-9},
+    )
+    text = AccountingText()
+    assert text.render(result) == render_families(accounting_families(result))
+    assert text.render(Accounting()) == render_families(accounting_families(Accounting()))  # pairs dropped
+    assert text.render(result) == render_families(accounting_families(result))
+    assert text.render(None) == b""

@@ -6,7 +6,7 @@ import dataclasses
 import subprocess
 
 import pytest
-from helpers import require_tool
+from processes import require_tool
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 

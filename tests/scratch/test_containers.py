@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import FakeDocker, container
+from docker_fake import FakeDocker, container
 
 from exporter.scratch.containers import ContainerListError, DockerLabels, parse_container_list
 from exporter.scratch.identity import UNDEFINED, Identity

@@ -18,7 +18,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from helpers import HASH, NODE_EXPORTER, Pki, make_pki, node_exporter, wait_for
+from helpers import wait_for
+from pki import HASH, Pki, make_pki
+from processes import NODE_EXPORTER, node_exporter
 
 from exporter.web.server import HttpServer, Limits, Request, Response
 from exporter.web.webconfig import WebConfigFile

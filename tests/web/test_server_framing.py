@@ -20,7 +20,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from helpers import node_exporter
+from processes import node_exporter
 
 from exporter.web.server import HttpServer, Limits, Request, Response
 

@@ -23,7 +23,8 @@ from decimal import Decimal
 from pathlib import Path
 
 import pytest
-from helpers import NODE_EXPORTER, node_exporter, wait_for
+from helpers import wait_for
+from processes import NODE_EXPORTER, node_exporter
 
 from exporter.demo import write_kernel
 from exporter.web.auth import Authenticator

@@ -16,7 +16,9 @@ from pathlib import Path
 
 import bcrypt
 import pytest
-from helpers import Pki, make_pki, require_tool, wait_for
+from helpers import wait_for
+from pki import Pki, make_pki
+from processes import require_tool
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 

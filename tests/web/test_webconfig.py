@@ -17,7 +17,7 @@ from pathlib import Path
 import bcrypt
 import pytest
 from cryptography.hazmat.primitives import serialization
-from helpers import HASH, Pki, make_pki
+from pki import HASH, Pki, make_pki
 
 from exporter.web.auth import FAKE_HASH, RateLimiter, parse_basic_auth
 from exporter.web.tls import build_ssl_context, peer_matches_sans
