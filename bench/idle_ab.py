@@ -14,31 +14,19 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import GPUS, ExporterProcess, build_tree, compile_bytecode, settle  # noqa: E402
-from run import Timed  # noqa: E402
+from pipeline_ab import idle_cpu  # noqa: E402
 
 
 def idle_percent(root: Path, repo: Path | None, seconds: float, extra: list[str]) -> float:
     ex = ExporterProcess(root, *extra, repo=repo)
-    client = Timed(ex.port)
     try:
-        client.get()
-        time.sleep(10)
-        cpu0, t0 = ex.cpu_seconds(), time.perf_counter()
-        next_scrape = t0 + 15
-        while time.perf_counter() - t0 < seconds:
-            time.sleep(1)
-            if time.perf_counter() >= next_scrape:
-                client.get()
-                next_scrape += 15
-        return round(100 * (ex.cpu_seconds() - cpu0) / (time.perf_counter() - t0), 3)
+        return idle_cpu(ex, seconds, settle_s=10.0)
     finally:
-        client.close()
         ex.stop()
 
 

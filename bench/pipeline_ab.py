@@ -96,11 +96,13 @@ def changes(ex: ExporterProcess, root: Path, truth: dict, trials: int, seed: int
     return out
 
 
-def idle_cpu(ex: ExporterProcess, seconds: float) -> float:
+def idle_cpu(ex: ExporterProcess, seconds: float, settle_s: float = 3.0) -> float:
+    """Percent of one core the exporter spends over ``seconds`` with a scrape every 15 s, from
+    ``settle_s`` after a first scrape."""
     client = Timed(ex.port)
     try:
         client.get()
-        time.sleep(3)
+        time.sleep(settle_s)
         cpu0, t0 = ex.cpu_seconds(), time.perf_counter()
         next_scrape = t0 + 15
         while time.perf_counter() - t0 < seconds:
