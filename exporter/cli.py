@@ -106,7 +106,10 @@ def main(argv: list[str] | None = None, *, default_agent_config: Path | None = N
     if argv and not argv[0].startswith("-") and argv[0] not in COMMANDS:
         _fail(PROG, f"unknown command {argv[0]!r} (commands: {', '.join(COMMANDS)}; see {PROG} --help)")
     command = argv.pop(0) if argv and argv[0] in COMMANDS else "serve"
-    parser = build_parser(command)
+    # The collector switches need every collector's module: only when one is given (or help
+    # asked for) does the start import them before readiness.
+    switched = any(a.startswith(("--collector.", "--no-collector.")) or a in ("-h", "--help") for a in argv)
+    parser = build_parser(command, collector_switches=switched)
     args = vars(parser.parse_args(argv))
     extra = {k: args.pop(k) for k in list(args) if k.startswith("cmd_")}
     switches = {k.partition(":")[2]: extra.pop(k) for k in list(extra) if k.startswith("cmd_collector:")}
@@ -156,7 +159,7 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
         super().__init__(prog, max_help_position=30, width=min(shutil.get_terminal_size().columns, 110))
 
 
-def build_parser(command: str) -> argparse.ArgumentParser:
+def build_parser(command: str, *, collector_switches: bool = True) -> argparse.ArgumentParser:
     """The argument parser of one command; settings flags come from :class:`Settings`."""
     prog = PROG if command == "serve" else f"{PROG} {command}"
     if command == "serve":
@@ -208,7 +211,7 @@ def build_parser(command: str) -> argparse.ArgumentParser:
                          help="seed for arrivals, amounts, ids and loads: the same seed plays the same node (default: random)")
         own.add_argument("--demo.time-scale", "--time-scale", dest="cmd_time_scale", metavar="FACTOR", type=_positive,
                          default=1.0, help="play the node's schedule this many times faster (default: 1)")
-    if command in ("serve", "demo"):
+    if command in ("serve", "demo") and collector_switches:
         from exporter.metrics.collectors import collectors
 
         switches = parser.add_argument_group("collectors", "Each collector on (--collector.NAME) or off (--no-collector.NAME).")

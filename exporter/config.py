@@ -129,6 +129,8 @@ def resolve(
 
 
 def _collectors(switches: Mapping[str, bool]) -> dict[str, bool]:
+    if not switches:
+        return {}
     from exporter.metrics.collectors import collectors  # light: no prometheus_client
 
     known = collectors()
