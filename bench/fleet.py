@@ -8,7 +8,9 @@ What it does (Debian's Prometheus 2.42 and promtool; nothing else):
    tests/golden/*.prom): a mix of fractional-GPU, whole-GPU and MIG nodes with 8 GPUs each,
    kernels per node drawn around ``--kernels`` (mean 58), process attribution on (per kernel and
    device: allocation, memory, utilisation, processes, idle and no-process time, isolation flag),
-   9 throttle reasons per GPU. ``--switches`` reports what each proposed cardinality switch saves.
+   9 throttle reasons per GPU, and the fleet what-if families for the default request shapes
+   (remaining totals, requests, placeable or refused per fragmentation mode).
+   ``--switches`` reports what each proposed cardinality switch saves.
 2. Serves them from one in-process HTTP server as N scrape targets and runs a zone Prometheus
    (``deploy/prometheus/prometheus.yml``'s settings: 15 s scrape and evaluation, both rule files)
    until every rule group has evaluated ``--cycles`` times; reports each group's evaluation time
@@ -26,6 +28,9 @@ What it does (Debian's Prometheus 2.42 and promtool; nothing else):
    browser's connection limit) and the sum of the single query times, medians of ``--repeat``.
 
 Values are static, so the figures are the cost of the series counts and label sets, not of churn.
+``--rules-only`` stops after steps 2 and 3 (no history, no dashboards) and prints the targets
+that concern them. ``--fleet-only`` times the fleet rules alone (``alerts/gpu-alloc-fleet.rules.yml``
+over only the series they read, while ingesting): their own cost, apart from the other groups'.
 """
 
 from __future__ import annotations
@@ -56,7 +61,10 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tools"))
+sys.path.insert(0, str(REPO))
 import monitoring_checks as mc  # noqa: E402
+
+from exporter.analysis.shapes import DEFAULT_SHAPES  # noqa: E402
 
 THROTTLE_REASONS = ["gpu_idle", "applications_clocks_setting", "sw_power_cap", "hw_slowdown", "sync_boost",
                     "sw_thermal_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown", "display_clock_setting"]
@@ -215,10 +223,31 @@ def render_node(i: int, rng: random.Random, mean_kernels: int, sw: Switches) -> 
         if slot == "cuda.shares":
             total = sum(frees)
             _s("gpu_alloc_node_fragmentation_ratio", {"slot": slot}, 0 if not total else sum(f for f, (_, c) in zip(frees, devices, strict=True) if f < c) / total, out)
+    fleet_series(slots, allocated, out)
     out += kernel_lines
     node.series = len(out)
     node.text = ("\n".join(out) + "\n").encode()
     return node
+
+
+def fleet_series(slots: dict[str, list[tuple[str, float]]], allocated: dict[tuple[str, str], float], out: list[str]) -> None:
+    """The fleet what-if families (exporter/metrics/fleet.py) for the default request shapes: the
+    remaining total per slot, each shape's request, and per fragmentation mode whether the node
+    places it (allowed: the free total covers it; disallowed: one device's free piece does, the
+    shapes being at most one device) or why not."""
+    remaining = {slot: sum(cap - allocated.get((dev, slot), 0.0) for dev, cap in devices) for slot, devices in slots.items()}
+    for slot, left in sorted(remaining.items()):
+        _s("gpu_alloc_node_remaining", {"slot": slot}, left, out)
+    for shape in DEFAULT_SHAPES:
+        slot, amount = shape.accelerator
+        _s("gpu_alloc_shape_request", {"shape": shape.name, "slot": slot}, float(amount), out)
+        frees = [max(cap - allocated.get((dev, slot), 0.0), 0.0) for dev, cap in slots.get(slot, [])]
+        for frag, room in (("allowed", sum(frees)), ("disallowed", max(frees, default=0.0))):
+            reason = ("capacity" if not frees or remaining[slot] < float(amount) else
+                      None if room >= float(amount) else "fragmented")
+            _s("gpu_alloc_node_request_placeable", {"fragmentation": frag, "shape": shape.name}, int(reason is None), out)
+            if reason is not None:
+                _s("gpu_alloc_node_request_refused", {"fragmentation": frag, "reason": reason, "shape": shape.name}, 1, out)
 
 
 def build_fleet(n: int, mean_kernels: int, seed: int, sw: Switches = Switches()) -> list[Node]:
@@ -341,12 +370,13 @@ def zone_config(server_port: int, nodes: list[Node], rule_files: list[Path]) -> 
 # --- measurements ------------------------------------------------------------------------------
 
 
-def rule_group_times(prom: Prom, cycles: int, timeout: float, after: str = "") -> dict[str, dict[str, Any]]:
+def rule_group_times(prom: Prom, cycles: int, timeout: float, after: str = "",
+                     rule_files: tuple[Path, ...] = mc.RULE_FILES) -> dict[str, dict[str, Any]]:
     """Per rule group: every distinct evaluation's duration (s) until each group has ``cycles``
     (evaluations that started after the RFC 3339 time ``after`` only)."""
     seen: dict[str, dict[str, float]] = {}
     intervals: dict[str, float] = {}
-    expected = {g["name"] for p in mc.RULE_FILES for g in yaml.safe_load(p.read_text())["groups"]}
+    expected = {g["name"] for p in rule_files for g in yaml.safe_load(p.read_text())["groups"]}
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for g in prom.api("rules")["groups"]:
@@ -586,6 +616,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", type=Path, required=True)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--switches", action="store_true", help="also report the series each cardinality switch saves")
+    ap.add_argument("--rules-only", action="store_true", help="rule groups and federation only: no history, no dashboards")
+    ap.add_argument("--fleet-only", action="store_true", help="only the fleet rules over only the series they read")
     ap.add_argument("--render", type=Path, nargs="+", help="only write BENCHMARKS.md's Fleet section from saved --json files")
     args = ap.parse_args(argv) if not (argv or sys.argv[1:]) or "--render" not in (argv or sys.argv[1:]) else None
     if args is None:
@@ -596,6 +628,8 @@ def main(argv: list[str] | None = None) -> int:
         write_benchmarks_section(render_markdown([json.loads(p.read_text()) for p in rargs.render], rargs.command))
         return 0
 
+    if args.fleet_only:
+        return fleet_only(args)
     result: dict[str, Any] = {"nodes": args.nodes, "mean_kernels": args.kernels, "history_h": args.history,
                               "prometheus": subprocess.run(["prometheus", "--version"], capture_output=True, text=True).stdout.split("\n")[0]}
     shutil.rmtree(args.work, ignore_errors=True)
@@ -647,6 +681,23 @@ def main(argv: list[str] | None = None) -> int:
             "share_of_zone": round(len(fed) / head["numSeries"], 4),
         }
         print(f"federation: {result['federation']}", flush=True)
+
+        result["federation"]["shape_level_series"] = sum(1 for x in fed if x[0].startswith("shape"))
+        if args.rules_only:
+            frozen = zone_config(server.port, nodes, list(mc.RULE_FILES))
+            frozen["scrape_configs"][0]["scrape_interval"] = "1h"
+            frozen["scrape_configs"][0]["scrape_timeout"] = "10s"
+            after = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(time.time() + 1))
+            prom.reload(frozen)
+            result["rule_groups"] = rule_group_times(prom, args.cycles, timeout=170, after=after)
+            result["slowest_rules"] = result["rule_groups"].pop("_slowest_rules")
+            result["fleet_rules"] = fleet_rule_times(prom)
+            for name, ok, show in TARGETS[:2]:
+                print(f"{name}: {show(result)} ({'met' if ok(result) else 'MISSED'})", flush=True)
+            print(f"fleet group: {result['rule_groups'].get('gpu-alloc-fleet')}; rules: {result['fleet_rules']}", flush=True)
+            status = Path(f"/proc/{prom.proc.pid}/status").read_text()
+            result["prometheus_rss_gib"] = round(int(re.search(r"VmRSS:\s+(\d+)", status).group(1)) / 2**20, 2)
+            return _finish(result, args.json)
 
         # History: every federated series for the whole range (constant at its live value), and the
         # raw series of a few nodes (the node and kernel dashboards read one node).
@@ -711,10 +762,63 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         prom.stop()
         server.close()
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1) + "\n")
+    return _finish(result, args.json)
+
+
+def _finish(result: dict[str, Any], path: Path | None) -> int:
+    if path:
+        path.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result, indent=1))
     return 0
+
+
+FLEET_RULES = REPO / "alerts" / "gpu-alloc-fleet.rules.yml"
+# What the fleet rules and their alert's annotations read, and what finds the exporters.
+FLEET_INPUTS = {"gpu_alloc_build_info", "gpu_alloc_node_remaining", "gpu_alloc_shape_request",
+                "gpu_alloc_node_request_placeable", "gpu_alloc_node_request_refused", "gpu_alloc_node_headroom"}
+
+
+def fleet_only(args: argparse.Namespace) -> int:
+    """The fleet rules alone over the fleet series of ``args.nodes`` simulated nodes, timed while
+    the zone ingests them (every evaluation after all targets' first scrape, ``args.cycles`` of them)."""
+    shutil.rmtree(args.work, ignore_errors=True)
+    args.work.mkdir(parents=True)
+    nodes = build_fleet(args.nodes, args.kernels, args.seed)
+    for n in nodes:
+        lines = [line for line in n.text.decode().splitlines() if line.split("{", 1)[0].split(" ", 1)[0] in FLEET_INPUTS]
+        n.text, n.series = ("\n".join(lines) + "\n").encode(), len(lines)
+    result: dict[str, Any] = {"nodes": args.nodes, "fleet_only": True,
+                              "prometheus": subprocess.run(["prometheus", "--version"], capture_output=True, text=True).stdout.split("\n")[0],
+                              "series_per_node": round(sum(n.series for n in nodes) / args.nodes, 1)}
+    server = NodeServer(nodes)
+    prom = Prom(args.work, zone_config(server.port, nodes, [FLEET_RULES]))
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            up = prom.api("query", {"query": "count(up == 1)"})["result"]
+            if up and int(float(up[0]["value"][1])) == args.nodes:
+                break
+            time.sleep(2)
+        after = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime())
+        groups = rule_group_times(prom, args.cycles, timeout=60 + 16 * args.cycles, after=after, rule_files=(FLEET_RULES,))
+        groups.pop("_slowest_rules")
+        result["rule_groups"] = groups
+        result["fleet_rules"] = fleet_rule_times(prom)
+        result["recorded"] = {}  # series count of each recorded result (and the alert), as evaluated
+        for q in ("instance_shape:gpu_alloc_node_remaining:after_request", "instance_shape_selector:gpu_alloc_node_remaining:selected",
+                  "shape_selector:gpu_alloc_session_failure:predicted", 'ALERTS{alertname="GpuAllocPredictedSessionFailure"}'):
+            found = prom.api("query", {"query": f"count({q})"})["result"]
+            result["recorded"][q] = int(float(found[0]["value"][1])) if found else 0
+    finally:
+        prom.stop()
+        server.close()
+    return _finish(result, args.json)
+
+
+def fleet_rule_times(prom: Prom) -> list[dict[str, Any]]:
+    """The last evaluation time of each rule of the fleet group (``alerts/gpu-alloc-fleet.rules.yml``)."""
+    return [{"rule": r["name"], "seconds": round(r["evaluationTime"], 4)}
+            for g in prom.api("rules")["groups"] if g["name"] == "gpu-alloc-fleet" for r in g["rules"]]
 
 
 if __name__ == "__main__":

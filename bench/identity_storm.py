@@ -34,7 +34,7 @@ from exporter.scratch.watcher import ScratchWatcher  # noqa: E402
 KERNELS = 1000
 TICK = os.sysconf("SC_CLK_TCK")
 NEW_FAMILIES = ("gpu_alloc_kernel_identity_info", "gpu_alloc_kernel_gpu_share_ratio", "gpu_alloc_kernel_measured_",
-                "gpu_alloc_kernel_allocated_gpu_seconds_total", "gpu_alloc_kernel_used_gpu_seconds_total",
+                "gpu_alloc_kernel_allocated_gpu_seconds_total", "gpu_alloc_kernel_busy_gpu_seconds_total",
                 'collector="accounting"')
 
 

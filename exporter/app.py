@@ -77,8 +77,9 @@ class _Exposition:
     readiness, so the imports of prometheus_client and the renderer, a large part of a start's,
     are part of neither the start nor the first scrape."""
 
-    def __init__(self, inputs: Inputs, enabled: dict[str, bool], clock: Callable[[], float]) -> None:
+    def __init__(self, inputs: Inputs, enabled: dict[str, bool], clock: Callable[[], float], openmetrics_created: bool = False) -> None:
         self._inputs, self._enabled, self._clock = inputs, enabled, clock
+        self._openmetrics_created = openmetrics_created  # --web.openmetrics-created
         self._collector: ExporterCollector | None = None
         self._lock = threading.Lock()
 
@@ -91,18 +92,19 @@ class _Exposition:
                     from exporter.metrics.collectors import build_parts
                     from exporter.metrics.registry import ExporterCollector
 
-                    self._collector = ExporterCollector(build_parts(self._inputs, self._enabled), self._clock)
+                    self._collector = ExporterCollector(build_parts(self._inputs, self._enabled), self._clock,
+                                                        openmetrics_created=self._openmetrics_created)
                 collector = self._collector
         return collector
 
-    def render(self, gzipped: bool = False) -> bytes:
+    def render(self, gzipped: bool = False, openmetrics: bool = False) -> bytes:
         """The current exposition; each part is rendered once per change of what it shows."""
-        return self.collector.render(gzipped)
+        return self.collector.render(gzipped, openmetrics)
 
-    def render_cached(self, gzipped: bool = False) -> bytes | None:
+    def render_cached(self, gzipped: bool = False, openmetrics: bool = False) -> bytes | None:
         """The current exposition if nothing has to be rendered for it, else None (never waits)."""
         collector = self._collector
-        return collector.render_cached(gzipped) if collector is not None else None
+        return collector.render_cached(gzipped, openmetrics) if collector is not None else None
 
 
 def _boot_id(path: Path) -> str | None:
@@ -156,7 +158,7 @@ class Exporter:
         tracker = AttributionTracker(procfs, monotonic, idle_threshold_ratio=s.attribution_idle_threshold_ratio)
         health = HealthTracker(HealthStore(config.health_state_file), _boot_id(config.boot_id_file), clock)
         self.pipeline = AnalysisPipeline(stages, self.book.view, self._published, tracker=tracker,
-                                         accountant=Accountant(monotonic), ghost=GhostTracker(procfs), health=health,
+                                         accountant=Accountant(monotonic, energy_split=s.accounting_energy_split), ghost=GhostTracker(procfs), health=health,
                                          clock=clock, monotonic=monotonic)
         self.book.subscribe(self.pipeline.poke)
         self._ready = threading.Event()
@@ -175,7 +177,7 @@ class Exporter:
         inputs = Inputs(self.book.view, lambda: self.pipeline.current, self.watcher.status, self._source.name,
                         self.layout.agents if self.layout.multi_agent else ((default_id,) if default_id else ()), series,
                         (lambda: self._labels_health) if self._labels else None, server_stats)
-        self.exposition = _Exposition(inputs, dict(config.collectors), clock)
+        self.exposition = _Exposition(inputs, dict(config.collectors), clock, s.web_openmetrics_created)
         self.routes = Routes(Served(self.book.view, lambda: self.pipeline.current, self.exposition.render,
                                     self.exposition.render_cached, self._ready.is_set, self.watcher.status,
                                     tuple(self.layout.roots), s.alloc_map_format))
@@ -198,7 +200,7 @@ class Exporter:
     def start(self) -> None:
         _pin_mmap_threshold()  # before the scan: its big transient tables would raise the threshold too
         self.sampler = TelemetrySampler(self._source, self.settings.telemetry_interval, self.settings.telemetry_timeout, self.clock)
-        self.sampler.subscribe(self.pipeline.poke)
+        self.sampler.subscribe(self.pipeline.sampled)
         # The first scan and analysis build every kernel's objects, which all live on: the cyclic
         # collector would walk them again and again as they pile up and free nothing. They build
         # no cycles worth collecting.

@@ -194,14 +194,14 @@ def build_parser(command: str, *, collector_switches: bool = True) -> argparse.A
         own.add_argument("--output", dest="cmd_output", choices=["table", "json"], default="table",
                          help="table for people, json for scripts (default: table)")
     if command == "simulate":
-        from exporter.analysis.placement import Policy
+        from exporter.analysis.simulate import POLICIES
 
         own.add_argument("--request", dest="cmd_request", required=True, metavar="SLOT=AMOUNT",
                          help="the request, e.g. cuda.shares=1.5, cuda.device=2 or cuda.device:1g.10gb-mig=1")
-        own.add_argument("--policy", dest="cmd_policy", default="evenly", choices=[p.value for p in Policy],
-                         metavar="{" + ",".join(p.value for p in Policy) + "}",
+        own.add_argument("--policy", dest="cmd_policy", default="evenly", choices=POLICIES,
+                         metavar="{" + ",".join(POLICIES) + "}",
                          help="evenly (Backend.AI, the default), evenly-nofrag, simple/besteffort (go-gpuallocator), "
-                         "compact-first/low-load-first (tensor-fusion)")
+                         "compact-first/low-load-first (tensor-fusion), hami-binpack/hami-spread (HAMi)")
         own.add_argument("--state", dest="cmd_state", metavar="FILE", default=None,
                          help="a saved /api/v1/state document instead of the live scratch roots and devices")
     if command == "demo":
@@ -457,7 +457,9 @@ def _demo_living(settings: Settings, base: Path, seed: int | None, time_scale: f
     update: dict[str, Any] = {"scratch_roots": [node.scratch], "path_procfs": node.host.proc, "path_cgroupfs": node.host.cgroup,
                               "agent_id": node.agent_id}
     # fGPU capacity comes from the simulated CUDA driver's SM counts, as on a real node.
-    defaults = {"telemetry_interval": 2.0, "telemetry_pcie": True, "stale_grace": 60.0 / time_scale}
+    # Latched faults of simulated GPUs belong to the demo's folder, never to the host's state file.
+    defaults = {"telemetry_interval": 2.0, "telemetry_pcie": True, "stale_grace": 60.0 / time_scale,
+                "health_state_file": base / "health.json"}
     update.update({k: v for k, v in defaults.items() if k not in settings.given})
     settings = dataclasses.replace(settings, **update, given=settings.given | update.keys())
 
@@ -477,6 +479,8 @@ def _demo_still(settings: Settings, base: Path, collectors: dict[str, bool]) -> 
     root, cgroups = base / "scratches", base / "cgroup"
     build_demo_tree(root, cgroups)
     update: dict[str, Any] = {"scratch_roots": [root], "path_cgroupfs": cgroups, "stale_grace": 60.0}
+    if "health_state_file" not in settings.given:
+        update["health_state_file"] = base / "health.json"  # the demo's faults stay in the demo's folder
     if "telemetry_source" not in settings.given:  # a device file given means: serve those devices
         update["telemetry_source"] = "mock"
     settings = dataclasses.replace(settings, **update, given=settings.given | update.keys())

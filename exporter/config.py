@@ -16,6 +16,12 @@ with a grammar of their own (capacity overrides, headroom requests, ``--scratch.
 collector switches. Every mistake is a :class:`ConfigError`: one line naming the flag or file
 and the reason (the command line prints it and exits 2). A default path that does not exist is
 absent; one the service user cannot reach is an error, never a traceback.
+
+The agent release whose allocator headroom follows (``--headroom.nofrag-rule``) is, where the
+flag is not given, read from the running agent (:mod:`exporter.scratch.agent_version`);
+:attr:`Config.nofrag_rule_source` says where the rule came from. Scratch roots that are one
+directory under two spellings (a symlink, ``..``) are read once, as one root shared by the agents
+that name either.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from exporter.analysis.placement import DEFAULT_AFFINITY, AffinityPolicy, NoFrag
 from exporter.analysis.placement import Request as PlacementRequest
 from exporter.analysis.shapes import DEFAULT_SHAPES, Shape
 from exporter.scratch.agent_config import AgentConfigError, AgentToml, parse_agent_config
+from exporter.scratch.agent_version import UNIT_DIRS, VersionScan, detect_agent_versions
 from exporter.settings import ConfigError, Settings, optional_file, read_config_text
 from exporter.telemetry.mig import parse_hami_geometries
 from exporter.telemetry.model import SourceConfigError
@@ -48,7 +55,17 @@ from exporter.units import bounded, parse_decimal
 if TYPE_CHECKING:
     from exporter.web.webconfig import WebConfigFile
 
-__all__ = ["DEFAULT_AGENT_CONFIG", "Config", "agent_layout", "check_roots", "fleet_shapes", "headroom_params", "resolve"]
+__all__ = [
+    "DEFAULT_AGENT_CONFIG",
+    "Config",
+    "agent_layout",
+    "check_roots",
+    "fleet_shapes",
+    "headroom_params",
+    "nofrag_rule",
+    "resolve",
+    "rule_of_release",
+]
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +88,8 @@ class Config:
     :param shapes: the request shapes judged per node (``--fleet.shape``).
     :param telemetry: the telemetry source, decided and checked (NVML probed, the mock file read
         and parsed); None where the command reads no telemetry (``scan``).
+    :param nofrag_rule_source: where ``headroom.rule`` came from: ``flag``, ``default``, or
+        ``agent VERSION (FILE)`` when read from the running agent.
     """
 
     settings: Settings
@@ -80,6 +99,7 @@ class Config:
     web: WebConfigFile | None = None
     shapes: tuple[Shape, ...] = DEFAULT_SHAPES  # --fleet.shape
     telemetry: SourceChoice | None = None
+    nofrag_rule_source: str = "default"
 
     @property
     def health_state_file(self) -> Path:
@@ -101,6 +121,8 @@ def resolve(
     web: bool = False,
     telemetry: bool = True,
     roots: str | None = None,
+    detect_agent: bool | None = None,
+    unit_dirs: tuple[str, ...] = UNIT_DIRS,
 ) -> Config:
     """Resolve ``settings`` and the files they name into a :class:`Config`.
 
@@ -112,6 +134,10 @@ def resolve(
     :param telemetry: decide and check the telemetry source (``scan`` reads none).
     :param roots: check the scratch roots: ``exist`` (each a directory this user can list) or
         ``may-be-missing`` (one that does not exist yet is waited for); None: not checked.
+    :param detect_agent: without ``--headroom.nofrag-rule``, read the running agent's release
+        under ``--path.procfs`` (None: where a real node's agent.toml is looked for, that is
+        ``agent_config`` or ``--agent.config`` is given; the demo's node has no agent).
+    :param unit_dirs: where the agent's systemd unit is looked up.
     :raises ConfigError: one line naming the flag or file and the reason.
     """
     path = settings.agent_config_file or (optional_file(agent_config, "--agent.config") if agent_config else None)
@@ -123,9 +149,16 @@ def resolve(
     settings = dataclasses.replace(settings, scratch_roots=[Path(r) for r in layout.roots])
     if roots is not None:
         check_roots(settings, allow_missing=roots == "may-be-missing")
-    return Config(settings, layout, headroom, MappingProxyType(_collectors(collectors or {})),
-                  _web_config(settings) if web else None, shapes=fleet_shapes(settings.fleet_shapes),
-                  telemetry=_telemetry(settings) if telemetry else None)
+    config = Config(settings, layout, headroom, MappingProxyType(_collectors(collectors or {})),
+                    _web_config(settings) if web else None, shapes=fleet_shapes(settings.fleet_shapes),
+                    telemetry=_telemetry(settings) if telemetry else None)
+    # Last: every mistake above is one line and exit 2 without a log line before it.
+    if detect_agent is None:
+        detect_agent = agent_config is not None or settings.agent_config_file is not None
+    rule, source = _nofrag_rule(settings, path, detect_agent, unit_dirs)
+    return dataclasses.replace(
+        config, settings=dataclasses.replace(settings, headroom_nofrag_rule=rule.value),
+        headroom=dataclasses.replace(headroom, rule=rule), nofrag_rule_source=source)
 
 
 def _collectors(switches: Mapping[str, bool]) -> dict[str, bool]:
@@ -180,6 +213,56 @@ def check_roots(settings: Settings, allow_missing: bool) -> None:
 
 
 # -- headroom ---------------------------------------------------------------------------------
+
+
+def rule_of_release(release: tuple[int, int, int]) -> NoFragRule | None:
+    """The allocator an agent release runs: 26.9.0+ ``26.9``; 26.4.0 to 26.8.x ``26.4``; older
+    ``before-26.4``. None for the 25.15, 26.2 and 26.3 lines: the 26.4 guard (#10477) was
+    backported to them in a patch release, so the line alone does not say which guard runs."""
+    line = release[:2]
+    if line >= (26, 9):
+        return NoFragRule.NUMA_CANDIDATES
+    if line >= (26, 4):
+        return NoFragRule.MULTI_DEVICE
+    if line in ((25, 15), (26, 2), (26, 3)):
+        return None
+    return NoFragRule.SINGLE_DEVICE
+
+
+def nofrag_rule(scan: VersionScan) -> tuple[NoFragRule | None, str]:
+    """The rule the agents found run, and where it came from; (None, why) when the scan gives
+    no single rule (nothing found, a release line with a backport, agents that disagree)."""
+    if not scan.found:
+        return None, scan.reason or "no Backend.AI agent found"
+    rules = {v.version: rule_of_release(v.release) for v in scan.found}
+    first = scan.found[0]
+    if len(set(rules.values())) > 1:
+        return None, "agents of releases that allocate differently run here: " + ", ".join(
+            f"{v.version} ({v.source})" for v in scan.found)
+    rule = rules[first.version]
+    if rule is None:
+        return None, (f"agent {first.version} ({first.source}) is of a release line that got the 26.4 "
+                      "fragmentation guard in a patch release")
+    return rule, f"agent {first.version} ({first.source})"
+
+
+def _nofrag_rule(settings: Settings, agent_toml: Path | None, detect: bool, unit_dirs: tuple[str, ...]) -> tuple[NoFragRule, str]:
+    """``--headroom.nofrag-rule`` where given, else the running agent's, else the default (with
+    one log line saying why)."""
+    given = NoFragRule(settings.headroom_nofrag_rule)
+    if "headroom_nofrag_rule" in settings.given or not detect:
+        return given, "flag" if "headroom_nofrag_rule" in settings.given else "default"
+    scan = detect_agent_versions(settings.path_procfs, unit_dirs=unit_dirs,
+                                 config_dir=agent_toml.parent if agent_toml is not None else None)
+    rule, why = nofrag_rule(scan)
+    if rule is None:
+        # Nothing visible is ordinary (hidepid, a container without the host's PIDs); agents seen
+        # but not usable are worth a warning.
+        level = logging.WARNING if scan.found or scan.processes else logging.INFO
+        log.log(level, "headroom follows the %s allocator, the default: %s; set --headroom.nofrag-rule", given.value, why)
+        return given, "default"
+    log.info("headroom follows the %s allocator: %s", rule.value, why)
+    return rule, why
 
 
 def _cut(text: str, limit: int = 80) -> str:
@@ -288,6 +371,16 @@ def agent_layout(settings: Settings, agent_toml: str | None, source: str | None,
     roots = [str(r) for r in settings.scratch_roots] if roots_given or not pairs else []
     roots += [root for root in dict.fromkeys(r for r, _ in pairs)
               if root not in roots and Path(root).is_absolute() and (explicit or not roots_given)]
+    named = [r for r, _ in pairs]
+    same = _aliases([*roots, *named])
+    for alias, first in same.items():
+        # Said where one source names both spellings: a flag's root that is agent.toml's by
+        # another name is only the flag winning.
+        if {alias, first} <= set(roots) or {alias, first} <= set(named):
+            log.warning("scratch roots %s and %s are the same directory; read once as %s, shared by the agents naming either",
+                        first, alias, first)
+    roots = list(dict.fromkeys(same.get(r, r) for r in roots))
+    pairs = [(same.get(r, r), i) for r, i in pairs]
     return AgentLayout(
         roots=tuple(roots),
         bindings=MappingProxyType(_root_owners(pairs, roots, agents)),
@@ -318,6 +411,27 @@ def _agent_pairs(explicit: list[tuple[str, str]], toml: AgentToml | None
         named = {i for _, i in explicit}
         return explicit, {a.agent_id: a.allocations for a in toml.agents if a.agent_id in named}
     return [(a.scratch_root, a.agent_id) for a in toml.agents], {a.agent_id: a.allocations for a in toml.agents}
+
+
+def _aliases(paths: list[str]) -> dict[str, str]:
+    """Spelling -> the first spelling of the same directory (device and inode), for each root
+    that another spelling names too (a symlink, ``..``). A root that cannot be looked at yet is
+    left alone: :func:`check_roots` reports it, or it is waited for."""
+    first: dict[tuple[int, int], str] = {}
+    out: dict[str, str] = {}
+    for path in dict.fromkeys(paths):
+        if not os.path.isabs(path):  # the agent's working directory is unknown here
+            continue
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue
+        key = (st.st_dev, st.st_ino)
+        if key not in first:
+            first[key] = path
+            continue
+        out[path] = first[key]
+    return out
 
 
 def _root_owners(pairs: list[tuple[str, str]], roots: list[str], agents: tuple[str, ...]) -> dict[str, str]:

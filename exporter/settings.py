@@ -130,6 +130,9 @@ class Settings:
         "--web.listen-address", "address to serve on, host:port (':PORT' = all interfaces, port 0 = any)", check=parse_listen_address,
     )] = f":{DEFAULT_PORT}"
     web_config_file: Annotated[Path | None, Setting("--web.config.file", "exporter-toolkit web config (TLS, basic auth)")] = None
+    web_openmetrics_created: Annotated[bool, Setting(
+        "--web.openmetrics-created", "write counters' _created samples to OpenMetrics scrapers; Prometheus 2.42 and VictoriaMetrics store each as one more series",
+    )] = False
     telemetry_source: Annotated[Literal["auto", "nvml", "mock", "none"], Setting(
         "--telemetry.source", "device telemetry: auto = NVML if it initialises, else none",
     )] = "auto"
@@ -176,6 +179,10 @@ class Settings:
     attribution_idle_threshold_ratio: Annotated[float, Setting(
         "--attribution.idle-threshold-ratio", "utilisation (0-1) below which an allocated device counts as idle", ge=0, le=1,
     )] = 0.05
+    accounting_energy_split: Annotated[Literal["allocation", "use", "max"], Setting(
+        "--accounting.energy-split",
+        "how a GPU's energy is split between its kernels: by allocated share, by measured busy time, or the larger of the two",
+    )] = "max"
     capacity_unit_mem: Annotated[int, Setting(
         "--capacity.unit-mem", "bytes of device memory per fGPU share (the plugin's unit_mem)", gt=0,
     )] = 2 << 30
@@ -196,7 +203,7 @@ class Settings:
     headroom_nofrag_rule: Annotated[Literal["26.9", "26.4", "before-26.4"], Setting(
         "--headroom.nofrag-rule",
         "the agent release whose fractional allocator and fragmentation guard headroom and simulate follow: "
-        "26.9 (26.9.0+), 26.4 (26.4.0-26.8.x) or before-26.4",
+        "26.9 (26.9.0+), 26.4 (26.4.0-26.8.x) or before-26.4 (unset: the running agent's release where it can be read)",
     )] = "26.9"
     headroom_requests: Annotated[list[str], Setting(
         "--headroom.request",

@@ -358,9 +358,24 @@ def healthy_node(state: str, gpus: Iterable[Gpu] = MATRIX_GPUS, kernels: Iterabl
         s(key("gpu_alloc_kernel_isolation_breach", **pair), 0)
         # accounting
         s(key("gpu_alloc_kernel_allocated_gpu_seconds_total", **pair), f"rise {k.shares / SHARES_PER_GPU}")
-        s(key("gpu_alloc_kernel_used_gpu_seconds_total", **pair), f"rise {0.375 if busy else 0}")
+        s(key("gpu_alloc_kernel_busy_gpu_seconds_total", **pair), f"rise {0.375 * k.shares / SHARES_PER_GPU if busy else 0}")
+        s(key("gpu_alloc_kernel_energy_joules_total", **pair), f"rise {60 * k.shares / SHARES_PER_GPU}")
     for g in whole:
         s(key("gpu_alloc_device_utilization_attributable", device_id=g.device_id), 1)
+    # the ledger, per GPU and per owner (a quiet node's counters only grow)
+    for g in whole:
+        held, d = allocated[g.device_id] / SHARES_PER_GPU, {"device_id": g.device_id}
+        s(key("gpu_alloc_device_allocated_gpu_seconds_total", **d), f"rise {held}")
+        s(key("gpu_alloc_device_unallocated_gpu_seconds_total", **d), f"rise {1 - held}")
+        s(key("gpu_alloc_device_busy_gpu_seconds_total", **d), f"rise {0.375 * held if busy else 0}")
+        s(key("gpu_alloc_device_busy_measured", **d), 1)
+        s(key("gpu_alloc_device_attributed_energy_joules_total", **d), f"rise {60 * held}")
+        s(key("gpu_alloc_device_unattributed_energy_joules_total", **d), f"rise {60 * (1 - held)}")
+    for user in sorted({k.user_id for k in kernels}):
+        mine, owner = sum(k.shares for k in kernels if k.user_id == user) / SHARES_PER_GPU, {"project_id": "undefined", "user_id": user}
+        s(key("gpu_alloc_user_allocated_gpu_seconds_total", **owner), f"rise {mine}")
+        s(key("gpu_alloc_user_busy_gpu_seconds_total", **owner), f"rise {0.375 * mine if busy else 0}")
+        s(key("gpu_alloc_user_energy_joules_total", **owner), f"rise {60 * mine}")
     # headroom
     free = [SHARES_PER_GPU - allocated[g.device_id] for g in whole]
     for frag in ("allowed", "disallowed"):
@@ -373,6 +388,8 @@ def healthy_node(state: str, gpus: Iterable[Gpu] = MATRIX_GPUS, kernels: Iterabl
     s(key("gpu_alloc_node_whole_free_devices", slot="cuda.shares"), sum(1 for f in free if f == SHARES_PER_GPU))
     # fleet what-if: what the manager sees and whether the configured shapes would be placed
     s(key("gpu_alloc_node_remaining", slot="cuda.shares"), sum(free))
+    # HAMi's node score: 20 x allocated / capacity (docs/headroom.md)
+    s(key("gpu_alloc_node_hami_score", slot="cuda.shares"), 20 * (1 - sum(free) / (SHARES_PER_GPU * len(whole))))
     for shape, amount in (("fgpu-1", 1), ("fgpu-4", 4)):
         s(key("gpu_alloc_shape_request", shape=shape, slot="cuda.shares"), amount)
         for frag in ("allowed", "disallowed"):

@@ -61,7 +61,10 @@ def test_a_missing_default_is_absent_and_an_unreachable_one_is_an_error(tmp_path
     assert message.endswith("Permission denied (grant read access, or set --agent.config)")
 
 
-def test_the_zero_flag_start_with_an_unreachable_default_is_one_line_and_exit_2(tmp_path: Path, monkeypatch, capsys) -> None:
+@pytest.mark.parametrize("argv", [[], ["scan", "--scratch.root", "{tmp}"]], ids=["serve", "scan"])
+def test_the_zero_flag_start_with_an_unreachable_default_is_one_line_and_exit_2(tmp_path: Path, monkeypatch, capsys, argv) -> None:
+    """``/etc/backend.ai`` that the service user cannot enter: the default agent.toml cannot be
+    looked at (EACCES at stat), which is not "absent"."""
     real_stat = os.stat
     default = tmp_path / "backend.ai" / "agent.toml"
 
@@ -71,7 +74,7 @@ def test_the_zero_flag_start_with_an_unreachable_default_is_one_line_and_exit_2(
         return real_stat(path, *args, **kwargs)
 
     monkeypatch.setattr(os, "stat", denied)
-    assert main(["scan", "--scratch.root", str(tmp_path)], default_agent_config=default) == 2
+    assert main([a.format(tmp=tmp_path) for a in argv], default_agent_config=default) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err and f"{default}: cannot be read by uid" in err
 

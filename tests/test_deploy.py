@@ -439,7 +439,11 @@ def test_daemonset_runs_locked_down_on_gpu_nodes():
     cgroup = next(m for m in container["volumeMounts"] if m["mountPath"] == "/host/sys/fs/cgroup")
     assert cgroup["readOnly"] is True
     assert next(v for v in pod["volumes"] if v["name"] == cgroup["name"])["hostPath"]["path"] == "/sys/fs/cgroup"
-    assert all(m.get("readOnly") for m in container["volumeMounts"]), "every mount is read-only"
+    # The one writable path is the latched-health file's directory, on a volume of its own.
+    state_dir = str(Settings().health_state_file.parent)
+    writable = [m for m in container["volumeMounts"] if not m.get("readOnly")]
+    assert [m["mountPath"] for m in writable] == [state_dir], "only the health state directory is writable"
+    assert "emptyDir" in next(v for v in pod["volumes"] if v["name"] == writable[0]["name"])
 
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["GPU_ALLOC_EXPORTER_PATH_CGROUPFS"] == "/host/sys/fs/cgroup"

@@ -181,6 +181,8 @@ def test_presets_rendered_as_backendai_renders_them_give_one_value_per_measured_
     sessions = list(SESSION.values())
     for preset in presets:
         assert "session_id" in preset["options"]["group_labels"] and "session_id" in preset["options"]["filter_labels"]
+        if preset["metric_name"] == "gpu_alloc_kernel_busy_gpu_seconds_total":
+            continue  # ratios of counters over a window: tests/test_e2e_ledger.py
         # The utilization idle checker: group by session_id, a session_id=~ matcher for the sessions it judges.
         query = _render(preset["query_template"], {"session_id": ("=~", _regex_union(sessions))}, {"session_id"},
                         preset["time_window"] or "5m")

@@ -89,7 +89,7 @@ def _fleet_queries() -> list[mc.Query]:
 
 
 def _zone_only(name: str) -> bool:
-    return name.startswith("instance_kernel:")
+    return name.startswith(("instance_kernel:", "instance_user:"))
 
 
 def _fleet_names() -> set[str]:
@@ -103,12 +103,12 @@ def test_the_fleet_dashboard_reads_zone_only_series_beside_what_crosses() -> Non
     zones' recorded top 20, which crosses: on a global Prometheus or VictoriaMetrics they still
     have data."""
     readers = [q for q in _fleet_queries() if any(_zone_only(n) for n in mc.metric_names(q.expr))]
-    assert len(readers) == 3
+    assert len(readers) == 6  # three top-kernel tables, the ledger's three per-user columns
     for q in readers:
         for name in filter(_zone_only, mc.metric_names(q.expr)):
-            _, metric, _ = name.split(":")
-            stand_in = f"zone_kernel:{metric}:topk20"
-            assert re.search(rf"{re.escape(name)}\{{[^}}]*\}} or {re.escape(stand_in)}\{{", q.expr), q.key
+            level, metric, op = name.split(":")
+            stand_in = f"zone_kernel:{metric}:topk20" if level == "instance_kernel" else f"zone_user:{metric}:{op}"
+            assert re.search(rf"{re.escape(name)}\{{[^}}]*\}}\)? or {re.escape(stand_in)}\{{", q.expr), q.key
             assert federated(stand_in) and remote_written(stand_in), stand_in
 
 
@@ -143,8 +143,12 @@ def test_raw_and_per_kernel_series_stay_in_the_zone() -> None:
     # global level gets their per-shape results.
     per_shape = [n for n in rules.records if n.startswith(("instance_shape:", "instance_shape_selector:"))]
     assert per_shape and not any(federated(n) or remote_written(n) for n in per_shape)
+    # The ledger's per node and user or session series stay too; their per-user sums cross.
+    per_owner = [n for n in rules.records if n.startswith(("instance_user:", "instance_session:"))]
+    assert per_owner and not any(federated(n) or remote_written(n) for n in per_owner)
     # Every other recorded series crosses: the fleet view has per-node and zone figures only.
-    crossing = {n for n in rules.records if not n.startswith(("instance_kernel:", "instance_shape:", "instance_shape_selector:"))}
+    local = ("instance_kernel:", "instance_shape:", "instance_shape_selector:", "instance_user:", "instance_session:")
+    crossing = {n for n in rules.records if not n.startswith(local)}
     assert all(federated(n) for n in crossing)
 
 

@@ -311,7 +311,7 @@ def node() -> Dashboard:
         ts("Memory allocated: GPU (cuda.mem) and host (mem)",
            [T("gpu_alloc_device_allocated_bytes{%S}", "{{instance}} {{device_id}} {{slot}}", S, empty_ok="only where kernels hold cuda.mem"),
             T("gpu_alloc_node_allocated_bytes{%S}", "{{instance}} host {{slot}}", S)],
-           unit="bytes", desc="Bytes slots: GPU memory per device where the plugin allocates it explicitly (cuda.mem), and host memory held by kernels.",
+           unit="bytes", desc="Bytes slots: GPU memory per device where a legacy plugin allocates it explicitly (cuda.mem; no current plugin registers it), and host memory held by kernels.",
            no_value="no kernel on this node"),
     )
 
@@ -327,7 +327,7 @@ def node() -> Dashboard:
             T('gpu_alloc_device_allocated_bytes{%S, slot="cuda.mem"}', "{{instance}} {{device_id}} allocated", S, empty_ok="only where kernels hold cuda.mem"),
             T("gpu_alloc_device_memory_total_bytes{%S}", "{{instance}} {{device_id}} total", S)],
            unit="bytes", dashed=".* (total|allocated)$", thresholds=None,
-           desc=f"Framebuffer memory in use against the device total (dashed). Alert GpuAllocMemoryNearlyFull at {mem_thr:.0%} used.",
+           desc=f"Framebuffer memory in use against the device total (dashed); allocated: cuda.mem, legacy plugins only. Alert GpuAllocMemoryNearlyFull at {mem_thr:.0%} used.",
            no_value="not reported: telemetry off"),
     )
     d.add(
@@ -627,6 +627,50 @@ def fleet() -> Dashboard:
               no_value="no node reporting"),
     )
 
+    d.row("Where can a session start?")
+    # Per node and configured request shape (--fleet.shape), from the fleet rules'
+    # instance_shape* series: would the agent place it (both fragmentation modes, with the reason
+    # it would not), what the manager sees left of the shape's slot, HAMi's node score and whether
+    # HAMi's binpack (highest score) or spread (lowest) would pick the node among the selected
+    # nodes that place it with fragmentation $fragmentation.
+    verdict = "instance_shape_fragmentation:gpu_alloc_node_request_placeable:reason"
+    hami = "instance_shape_slot:gpu_alloc_node_hami_score:max"
+    placing = f'({hami}{{%S}} * on (job, instance, shape) group_right () ({verdict}{{%S, fragmentation="$fragmentation"}} == 1))'
+
+    def mode(fragmentation: str) -> str:
+        # label_join copies the reason into a column of its own per mode (absent while placeable).
+        return (f'max without (reason, fragmentation) (label_join({verdict}{{%S, fragmentation="{fragmentation}"}}, '
+                f'"reason_{fragmentation}", "", "reason"))')
+
+    def first(op: str) -> str:
+        return f"max without (reason, fragmentation) ({placing} == bool on (shape) group_left () {op} by (shape) ({placing}))"
+
+    flags = [value_map({"0": ("-", "transparent"), "1": ("first", OK)})]
+    yes_no = [value_map({"0": ("no", BAD), "1": ("yes", OK)})]
+    columns = [{"matcher": {"id": "byName", "options": name}, "properties": [{"id": "mappings", "value": maps}]}
+               for name, maps in (("placeable (allowed)", yes_no), ("placeable (disallowed)", yes_no),
+                                  ("HAMi binpack", flags), ("HAMi spread", flags))]
+    where = table(
+        "Where can a session of each shape start?",
+        [TAB(mode("allowed"), F), TAB(mode("disallowed"), F),
+         TAB("instance_shape_slot:gpu_alloc_node_remaining:max{%S}", F),
+         TAB(f"{hami}{{%S}}", F),
+         TAB(first("max"), F, empty_ok="no selected node places the shape"),
+         TAB(first("min"), F, empty_ok="no selected node places the shape")],
+        unit="none", w=24, h=12, links=[node_link(), *columns],
+        rename={"Value #A": "placeable (allowed)", "Value #B": "placeable (disallowed)", "reason_allowed": "why not (allowed)",
+                "reason_disallowed": "why not (disallowed)", "Value #C": "remaining of the slot", "Value #D": "HAMi node score",
+                "Value #E": "HAMi binpack", "Value #F": "HAMi spread"},
+        desc="One row per node and request shape (--fleet.shape; filter the shape column): whether the node's agent would place "
+             "it now with fragmentation allowed and disallowed, and why not (capacity, fragmented, numa, mig_profile_missing, "
+             "stale_allocation); what the manager sees left of the shape's slot; HAMi's node score (10 x core + memory used "
+             "ratio, 0-20). Sorted by that score: HAMi's binpack sends the session to the highest-scored node that places it, "
+             "spread to the lowest ('first', among the selected nodes, with fragmentation $fragmentation). docs/headroom.md.",
+        no_value="no node reporting, or the fleet rules (alerts/gpu-alloc-fleet.rules.yml) not loaded")
+    where.options["sortBy"] = [{"displayName": "HAMi node score", "desc": True}]
+    where.custom = {"filterable": True}
+    d.add(where)
+
     d.row("Fragmentation hot spots")
     d.add(
         table("Most fragmented nodes", [TAB('topk(10, instance_slot:gpu_alloc_node_fragmentation_ratio:max{%S, slot="cuda.shares"})', F)],
@@ -658,6 +702,21 @@ def fleet() -> Dashboard:
               rename={"Value": "idle for"}, links=[kernel_link(), node_link()],
               desc="Kernels whose every allocated GPU has been idle longest, the 20 of the selected nodes. " + TOP_KERNELS_SCOPE,
               no_value="per-kernel use not measured"),
+    )
+
+    d.row("GPU ledger: per user, last day")
+    per_user = "sum by (user_id, project_id) (instance_user:{m}:increase1d{{%S}}) or zone_user:{m}:increase1d{{%S}}"
+    d.add(
+        table("GPU-hours and kWh per user (last 24 h)",
+              [TAB(per_user.format(m="gpu_alloc_user_allocated_gpu_hours"), F),
+               TAB(per_user.format(m="gpu_alloc_user_busy_gpu_hours"), F, empty_ok="only where busy time is measured"),
+               TAB(per_user.format(m="gpu_alloc_user_energy_kwh"), F, empty_ok="only where the GPUs report energy")],
+              unit="none", w=24, h=8,
+              rename={"Value #A": "GPU-hours held", "Value #B": "GPU-hours busy", "Value #C": "kWh"},
+              column_units={"GPU-hours held": "h", "GPU-hours busy": "h", "kWh": "kwatth"},
+              desc="The exporter's lossless per-user counters over the last day (recorded every 5 minutes): "
+                   "per node in a zone, summed over the zone's nodes where only the zone sums cross (all nodes selected).",
+              no_value="no kernel held a GPU in the last day, or the ledger rules are not loaded"),
     )
 
     d.row("Health summary")
@@ -745,8 +804,9 @@ def kernel() -> Dashboard:
            [T("gpu_alloc_kernel_memory_used_bytes{%S}", "{{instance}} {{device_id}} used", K),
             T('gpu_alloc_kernel_allocated_bytes{%S, slot="cuda.mem"}', "{{instance}} {{device_id}} allocated", K, empty_ok="only with cuda.mem")],
            unit="bytes", dashed=".* allocated$",
-           desc=f"Memory of the kernel's processes against its cuda.mem allocation (GpuAllocKernelMemoryNearLimit at {thr('gpu_alloc_kernel_memory_used_ratio'):.0%}).",
-           no_value="no process on a GPU, or attribution off"),
+           desc=f"Memory of the kernel's processes against its cuda.mem allocation (GpuAllocKernelMemoryNearLimit at {thr('gpu_alloc_kernel_memory_used_ratio'):.0%}). "
+                "cuda.mem belongs to legacy plugins: with current ones only used is drawn, and a kernel's limit is its shares x unit_mem.",
+           no_value="no process on a GPU, or attribution off (allocated: cuda.mem, legacy plugins only)"),
         ts("Utilisation", [T("gpu_alloc_kernel_utilization_ratio{%S}", "{{instance}} {{device_id}}", K)], unit="percentunit", min=0, max=1,
            desc="SM utilisation of the kernel's processes on each device.", no_value="not measurable (MIG) or attribution off"),
     )
@@ -849,6 +909,58 @@ def sessions() -> Dashboard:
                       "(exact however Prometheus scrapes; increase() spans restarts). Kernels ended more than 10 minutes before "
                       "the range's end are no longer joined to a user: docs/backendai.md has the fleet query.",
                  no_value="no kernel with an identity held a GPU in the range"),
+    )
+
+    # The GPU ledger (recorded by the gpu-alloc-ledger group every 5 minutes, over the last day).
+    d.row("Ledger: GPU-hours and energy per day")
+    owner = '{%S, user_id=~"$user"}'
+    d.add(
+        bargauge("GPU-hours per user and project, last day: held and busy",
+                 [I(f"instance_user:gpu_alloc_user_allocated_gpu_hours:increase1d{owner}", "{{instance}} {{user_id}} {{project_id}} held", N,
+                    empty_ok="no kernel held a GPU in the last day, or the ledger rules have not run yet"),
+                  I(f"instance_user:gpu_alloc_user_busy_gpu_hours:increase1d{owner}", "{{instance}} {{user_id}} {{project_id}} busy", N,
+                    empty_ok="no GPU's busy time measured (MIG, no per-process counters, attribution off)")],
+                 unit="none", decimals=2,
+                 desc="GPU-hours each user's kernels held on this node in the last 24 h, per project, and the busy part (busy "
+                      "seconds of their processes × the share held). From the exporter's per-user counters: every session counts in "
+                      "full, however short and however Prometheus scrapes.",
+                 no_value="no kernel held a GPU in the last day"),
+        bargauge("Energy per user and project, last day",
+                 [I(f"instance_user:gpu_alloc_user_energy_kwh:increase1d{owner}", "{{instance}} {{user_id}} {{project_id}}", N)],
+                 unit="kwatth", decimals=3,
+                 desc="kWh of the GPUs charged to each user's kernels in the last 24 h, split per --accounting.energy-split "
+                      "(default: the larger of the share held and the part of the activity).",
+                 no_value="no GPU energy counter, or no kernel in the last day"),
+    )
+    session = '{%S, user_id=~"$user", session_id=~"$session"}'
+    d.add(
+        bargauge("GPU-hours per session, last day",
+                 [I(f"topk(20, instance_session:gpu_alloc_kernel_allocated_gpu_hours:increase1d{session})",
+                    "{{instance}} {{session_id}} {{user_id}}", N)],
+                 unit="none", decimals=2,
+                 desc="The 20 sessions that held the most GPU-hours on this node in the last 24 h (kernels whose identity was read).",
+                 no_value="no session with an identity held a GPU in the last day"),
+        bargauge("Energy per session, last day",
+                 [I(f"topk(20, instance_session:gpu_alloc_kernel_energy_kwh:increase1d{session})", "{{instance}} {{session_id}} {{user_id}}", N)],
+                 unit="kwatth", decimals=3, desc="kWh charged to the 20 most energy-hungry sessions on this node in the last 24 h.",
+                 no_value="no GPU energy counter, or no session with an identity in the last day"),
+    )
+    d.add(
+        stat("Busy against held, last hour", [I("instance:gpu_alloc_busy_over_allocated:ratio1h{%S}", "{{instance}}", N)],
+             unit="percentunit", decimals=1, w=6,
+             desc="Busy GPU-seconds over GPU-seconds held by the node's kernels in the last hour, on the GPUs whose busy time "
+                  "is measured.", no_value="no GPU's busy time measured"),
+        stat("Unallocated share, last hour", [I("instance:gpu_alloc_unallocated:ratio1h{%S}", "{{instance}}", N)],
+             unit="percentunit", decimals=1, w=6,
+             desc="The part of the node's GPU time that no kernel held in the last hour (allocated + unallocated = elapsed).",
+             no_value="no GPU known to the ledger"),
+        ts("GPU power: charged to kernels and unattributed",
+           [T("sum by (instance) (rate(gpu_alloc_device_attributed_energy_joules_total{%S}[$__rate_interval]))", "{{instance}} kernels", N),
+            T("sum by (instance) (rate(gpu_alloc_device_unattributed_energy_joules_total{%S}[$__rate_interval]))", "{{instance}} unattributed", N)],
+           unit="watt", stack=True,
+           desc="The GPUs' energy counters split by the ledger: the part charged to kernels and the rest (idle capacity, "
+                "unallocated shares). The two add up to the GPUs' power.",
+           no_value="no GPU energy counter"),
     )
     return d
 

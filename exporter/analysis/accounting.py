@@ -1,8 +1,8 @@
-"""What each kernel holds of each physical GPU, how much of it it uses, and the chargeback
-counters that integrate both over time.
+"""What each kernel holds of each physical GPU, how much of it it uses, and the GPU ledger: the
+counters that integrate both, with the energy, per kernel, device and owner.
 
-Three results per analysis pass, all keyed by the **physical GPU** (a MIG slice counts against
-the GPU it is carved from, so a GPU's health reaches every kernel on it, whatever it holds):
+Per analysis pass, all keyed by the **physical GPU** (a MIG slice counts against the GPU it is
+carved from, so a GPU's health reaches every kernel on it, whatever it holds):
 
 * the **share** of a GPU a kernel holds, 0–1: ``cuda.device`` = 1; ``cuda.shares`` = amount ÷
   the GPU's fractional capacity (:func:`~exporter.analysis.capacity.device_capacity`); a MIG
@@ -12,10 +12,39 @@ the GPU it is carved from, so a GPU's health reaches every kernel on it, whateve
   samples, and GPU memory used ÷ memory held (the ``cuda.mem`` allocation where the plugin writes
   one, else the share × the device's memory). Where a device is not measured (MIG without
   per-process samples, a failed read, no telemetry) the kernel has **no value**, never 0;
-* per kernel and GPU, **allocated share-seconds** and, while measured, **used share-seconds**
-  (share × utilisation), integrated here at every analysis pass (every telemetry sample), not per
-  scrape: counters are exact whatever the scrape interval, and reset only with the process. A
-  pass integrates the shares the previous pass saw over the time since it, so an allocation
+* the **ledger**, counters integrated at every analysis pass (every telemetry sample), not per
+  scrape, so they are exact whatever the scrape interval, and reset only with the process:
+
+  - *allocated* GPU-seconds per kernel and GPU (share × seconds; on an overcommitted GPU, whose
+    shares add up to more than 1, each share ÷ their sum) and the GPU's *unallocated* seconds:
+    per GPU, Σ allocated + unallocated = the seconds the GPU was known × 1 GPU;
+  - *busy* GPU-seconds per kernel and GPU: the busy seconds of the kernel's processes, from the
+    source's cumulative per-process SM-busy counters (``DeviceReading.process_busy_seconds``)
+    differenced between passes per (PID, process start time), × the share it held — normalised
+    by what it holds, as the utilisation ratio is. Nothing is lost between samples, a reused PID
+    is a new process, a restarted source (new ``nvml_generation``) counts from 0, and a process
+    that left the list between two reads is charged to the kernel it last belonged to. Processes
+    busy together for longer than the time since the GPU's last measurement (concurrent
+    processes, or a kernel time-sliced beyond its share) are charged what the kernel held then:
+    busy ≤ allocated, always. Where the GPU's busy time cannot be measured (no per-process
+    counter, as on MIG; an unread process list; no attribution) the kernel has no busy sample,
+    never 0, and the GPU's measurability is 0;
+  - *energy* per kernel and GPU: each interval's increase of the GPU's energy counter split by
+    the policy ``energy_split`` (:data:`ENERGY_SPLITS`), the rest *unattributed*; per GPU,
+    Σ kernels' joules + unattributed = the counter's increase since the exporter first read it
+    (a counter that goes back, or a new ``nvml_generation``, counts from 0). ``allocation``: by
+    allocated share (the unallocated part is unattributed); ``use``: the allocated part by each
+    kernel's part of the kernels' busy GPU-seconds (unattributed while none is busy); ``max``
+    (default): per kernel the larger of the two, scaled down where they add up to more than
+    the whole, so an idle holder pays its share and a busy one pays for its activity. Use counts
+    only for an interval whose both ends measured it; else the interval is split by allocation.
+    A MIG GPU without per-process counters splits by instance size, its use by the size of the
+    instances that run a process of their kernel;
+  - the same per GPU and per **owner** (user_id, project_id from ``recovery.json``;
+    ``undefined`` where unknown), as counters that stay while kernels come and go, so a session
+    shorter than a scrape interval is counted in full by ``increase()``.
+
+  A pass integrates the shares the previous pass saw over the time since it, so an allocation
   change is counted from the next pass (an error of at most one telemetry interval per change).
   Counters of a kernel that went away stay for ``retention`` seconds, so the last increment is
   scraped (Backend.AI drops an ended kernel's series after 600 s as well).
@@ -29,17 +58,25 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from types import MappingProxyType
 
-from exporter.analysis.attribution import AttributionResult
+from exporter.analysis.attribution import AttributionResult, ProcessUsage
 from exporter.analysis.capacity import CapacityConfig, GpuInventory, device_capacity, is_mig_slot
 from exporter.scratch.allocation import Kernel
+from exporter.scratch.identity import UNDEFINED
 from exporter.scratch.resources import Allocation, SlotKind, slot_kind
 from exporter.telemetry.devices import DeviceResolver
 from exporter.telemetry.model import DeviceReading, MigDeviceReading, TelemetrySnapshot
 
-__all__ = ["Accountant", "Accounting", "KernelUse", "gpu_shares"]
+__all__ = ["DEFAULT_ENERGY_SPLIT", "ENERGY_SPLITS", "Accountant", "Accounting", "KernelUse", "gpu_shares"]
 
 _NVML_PLUGIN = "cuda"
 RETENTION_SECONDS = 600.0
+# How a GPU's energy is split between the kernels on it (the module docstring defines each).
+ENERGY_SPLITS = ("allocation", "use", "max")
+DEFAULT_ENERGY_SPLIT = "max"
+
+_Pair = tuple[str, str]  # (kernel_id, GPU device_id)
+_Owner = tuple[str, str]  # (user_id, project_id), Backend.AI's label values
+_NO_OWNER: _Owner = (UNDEFINED, UNDEFINED)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,18 +100,41 @@ class KernelUse:
 
 @dataclass(frozen=True)
 class Accounting:
-    """One pass's immutable result.
+    """One pass's immutable result; every counter is as of the pass.
 
     :param shares: (kernel_id, GPU device_id) -> share of the GPU held (0-1).
     :param kernels: kernel_id -> measured use normalised by allocation.
-    :param allocated_seconds: (kernel_id, GPU device_id) -> share-seconds held since the exporter started.
-    :param used_seconds: (kernel_id, GPU device_id) -> share-seconds used, for pairs measured at least once.
+    :param allocated_seconds: (kernel_id, GPU) -> GPU-seconds held since the exporter started.
+    :param busy_seconds: (kernel_id, GPU) -> GPU-seconds its processes kept the SMs busy, at most
+        what it held; only pairs on GPUs whose busy time was measured at least once.
+    :param energy_joules: (kernel_id, GPU) -> joules of the GPU charged to the kernel; only pairs
+        on GPUs whose energy counter was read.
+    :param device_allocated_seconds: GPU -> Σ kernels' allocated GPU-seconds (kept when they go).
+    :param device_unallocated_seconds: GPU -> GPU-seconds no kernel held.
+    :param device_busy_seconds: GPU -> Σ kernels' busy GPU-seconds.
+    :param device_energy_joules: GPU -> Σ kernels' joules.
+    :param device_unattributed_joules: GPU -> joules charged to no kernel.
+    :param owner_allocated_seconds: (user_id, project_id) -> allocated GPU-seconds of its kernels.
+    :param owner_busy_seconds: (user_id, project_id) -> busy GPU-seconds of its kernels.
+    :param owner_energy_joules: (user_id, project_id) -> joules of its kernels.
+    :param measured: GPU -> whether this pass measured its busy time (its energy ledger exists
+        where its energy counter was read once: ``energy_joules`` and the device's).
     """
 
-    shares: Mapping[tuple[str, str], float] = field(default_factory=dict)
+    shares: Mapping[_Pair, float] = field(default_factory=dict)
     kernels: Mapping[str, KernelUse] = field(default_factory=dict)
-    allocated_seconds: Mapping[tuple[str, str], float] = field(default_factory=dict)
-    used_seconds: Mapping[tuple[str, str], float] = field(default_factory=dict)
+    allocated_seconds: Mapping[_Pair, float] = field(default_factory=dict)
+    busy_seconds: Mapping[_Pair, float] = field(default_factory=dict)
+    energy_joules: Mapping[_Pair, float] = field(default_factory=dict)
+    device_allocated_seconds: Mapping[str, float] = field(default_factory=dict)
+    device_unallocated_seconds: Mapping[str, float] = field(default_factory=dict)
+    device_busy_seconds: Mapping[str, float] = field(default_factory=dict)
+    device_energy_joules: Mapping[str, float] = field(default_factory=dict)
+    device_unattributed_joules: Mapping[str, float] = field(default_factory=dict)
+    owner_allocated_seconds: Mapping[_Owner, float] = field(default_factory=dict)
+    owner_busy_seconds: Mapping[_Owner, float] = field(default_factory=dict)
+    owner_energy_joules: Mapping[_Owner, float] = field(default_factory=dict)
+    measured: Mapping[str, bool] = field(default_factory=dict)
 
 
 class _Counters(Mapping):
@@ -88,16 +148,51 @@ class _Counters(Mapping):
 
     __slots__ = ("_as_of", "_base", "_rates", "_since")
 
-    def __init__(self, base: Mapping[tuple[str, str], float], rates: Mapping[tuple[str, str], float],
+    def __init__(self, base: Mapping[Hashable, float], rates: Mapping[Hashable, float],
                  since: float, as_of: float) -> None:
         self._base, self._rates, self._since, self._as_of = base, rates, since, as_of
 
-    def __getitem__(self, key: tuple[str, str]) -> float:
+    def __getitem__(self, key: Hashable) -> float:
         return self._base[key] + self._rates.get(key, 0.0) * (self._as_of - self._since)
 
     def items(self):  # every value in one loop, not one method call per key (a render reads them all)
         dt, rates = self._as_of - self._since, self._rates
         return [(key, base + rates.get(key, 0.0) * dt) for key, base in self._base.items()]
+
+    def __iter__(self):
+        return iter(self._base)
+
+    def __len__(self) -> int:
+        return len(self._base)
+
+
+# Energy rates: per counter, (GPU, fraction of that GPU's energy) pairs.
+_Split = tuple[tuple[str, float], ...]
+
+
+class _Driven(Mapping):
+    """Counters that grow with the GPUs' energy counters between passes: ``base + Σ fraction ×
+    (joules the GPU used since the last change of any fraction)``, computed when read, as
+    :class:`_Counters` does with time. ``drive``: GPU -> joules since then."""
+
+    __slots__ = ("_base", "_drive", "_rates")
+
+    def __init__(self, base: Mapping[Hashable, float], rates: Mapping[Hashable, _Split], drive: Mapping[str, float]) -> None:
+        self._base, self._rates, self._drive = base, rates, drive
+
+    def _value(self, key: Hashable, base: float) -> float:
+        drive = self._drive
+        for gpu, fraction in self._rates.get(key, ()):
+            base += fraction * drive.get(gpu, 0.0)
+        return base
+
+    def __getitem__(self, key: Hashable) -> float:
+        return self._value(key, self._base[key])
+
+    def items(self):
+        if not any(self._drive.values()):
+            return list(self._base.items())
+        return [(key, self._value(key, base)) for key, base in self._base.items()]
 
     def __iter__(self):
         return iter(self._base)
@@ -196,21 +291,51 @@ def gpu_shares(held: Iterable[_Held]) -> dict[str, float]:
 _HeldEntry = tuple[Kernel, tuple[_Held, ...], tuple[tuple[str, float], ...]]
 
 
-class Accountant:
-    """Keeps the chargeback counters; call :meth:`update` from the analysis thread only.
+@dataclass(slots=True)
+class _Seen:
+    """A process's last cumulative busy seconds, when it was last listed, and its kernel."""
 
-    The counters are integrated lazily: each holds its value at the last change of any rate
-    (``since``) and grows at its rate from there (:class:`_Counters`). A pass over an unchanged
-    node (same kernels, same inventory, nothing measured) changes no rate and costs O(1) instead
-    of a walk over every kernel; a change settles every counter once, at the pass that sees it.
+    busy: float
+    at: float
+    kernel_id: str | None
+
+
+@dataclass
+class _Pass:
+    """What one slow pass measured, for :meth:`Accountant._settle`."""
+
+    now: float
+    devices: tuple[str, ...]  # every GPU label of the snapshot and of the allocations
+    busy_measured: frozenset[str]  # GPUs whose busy time this pass read from a new sample
+    busy_again: frozenset[str]  # GPUs measured, but the sample is the one already counted
+    raw_busy: dict[_Pair, float]  # busy seconds of the pair's processes since the GPU's last measured sample
+    active: frozenset[_Pair]  # pairs with a process of the kernel on the GPU now
+    mig: frozenset[str]  # MIG-enabled GPUs whose instances' processes were read this pass
+    owners: dict[str, _Owner]  # kernel_id -> owner, of the kernels present now
+
+
+class Accountant:
+    """Keeps the ledger; call :meth:`update` from the analysis thread only.
+
+    Time-driven counters (allocated, unallocated) grow at constant rates between changes
+    (:class:`_Counters`) and energy counters at constant fractions of each GPU's energy
+    (:class:`_Driven`): a pass over an unchanged node (same kernels, same inventory, nothing
+    measured) changes no rate and costs O(GPUs) instead of a walk over every kernel; a change
+    settles every counter once, at the pass that sees it. Busy time changes only where it is
+    measured, at the passes that measure it.
 
     :param monotonic: seconds, for the time between passes.
     :param retention: seconds an ended kernel's counters stay exported.
+    :param energy_split: one of :data:`ENERGY_SPLITS`.
     """
 
-    def __init__(self, monotonic: Callable[[], float] = time.monotonic, retention: float = RETENTION_SECONDS) -> None:
+    def __init__(self, monotonic: Callable[[], float] = time.monotonic, retention: float = RETENTION_SECONDS,
+                 energy_split: str = DEFAULT_ENERGY_SPLIT) -> None:
+        if energy_split not in ENERGY_SPLITS:
+            raise ValueError(f"energy_split must be one of {', '.join(ENERGY_SPLITS)}")
         self._monotonic = monotonic
         self._retention = retention
+        self._split = energy_split
         # What each kernel holds depends only on its immutable Kernel object and the devices'
         # inventory: cached per kernel object while the inventory stays the same (a pass over
         # unchanged kernels then costs lookups, not one capacity computation per kernel). The
@@ -221,12 +346,45 @@ class Accountant:
         self._inputs: Hashable = None
         self._result: Accounting | None = None
         # Counters at ``self._since`` and the rates they grow at from there (new dicts at every
-        # change: results already handed out keep theirs).
+        # change: results already handed out keep theirs). Time rates are GPU-seconds per second.
         self._since = 0.0
-        self._alloc_base: dict[tuple[str, str], float] = {}
-        self._used_base: dict[tuple[str, str], float] = {}
-        self._alloc_rates: dict[tuple[str, str], float] = {}
-        self._used_rates: dict[tuple[str, str], float] = {}
+        self._settled = False
+        self._alloc_base: dict[_Pair, float] = {}
+        self._alloc_rates: dict[_Pair, float] = {}
+        self._dev_alloc_base: dict[str, float] = {}
+        self._dev_alloc_rates: dict[str, float] = {}
+        self._dev_free_base: dict[str, float] = {}
+        self._dev_free_rates: dict[str, float] = {}
+        self._own_alloc_base: dict[_Owner, float] = {}
+        self._own_alloc_rates: dict[_Owner, float] = {}
+        # Energy: counters at ``since`` and their fractions of each GPU's joules from there.
+        self._energy_base: dict[_Pair, float] = {}
+        self._energy_rates: dict[_Pair, _Split] = {}
+        self._dev_energy_base: dict[str, float] = {}
+        self._dev_energy_rates: dict[str, _Split] = {}
+        self._dev_unattr_base: dict[str, float] = {}
+        self._dev_unattr_rates: dict[str, _Split] = {}
+        self._own_energy_base: dict[_Owner, float] = {}
+        self._own_energy_rates: dict[_Owner, _Split] = {}
+        # Busy time, changed only by the passes that measure it.
+        self._busy: dict[_Pair, float] = {}
+        self._dev_busy: dict[str, float] = {}
+        self._own_busy: dict[_Owner, float] = {}
+        self._owners: dict[str, _Owner] = {}  # kernel_id -> owner, as of ``since``
+        # Each GPU's energy counter: (nvml_generation, last value), and the joules it used since
+        # the exporter first read it (never decreasing), now and at ``since``.
+        self._energy_read: dict[str, tuple[int | None, float]] = {}
+        self._joules: dict[str, float] = {}
+        self._joules_at_since: dict[str, float] = {}
+        # Each GPU's processes: (pid, start time) -> last busy seconds; the source's generation.
+        self._procs: dict[str, dict[tuple[int, int | None], _Seen]] = {}
+        self._procs_gen: dict[str, int | None] = {}
+        self._busy_read: dict[str, DeviceReading] = {}  # GPU -> the reading last counted
+        # (kernel, GPU) -> its allocated counter when the GPU's busy time was last measured (a
+        # kernel is charged at most what it held since), and the GPUs whose use (busy time, or a
+        # MIG GPU's active instances) the last pass measured.
+        self._mark: dict[_Pair, float] = {}
+        self._use_before: frozenset[str] = frozenset()
         self._ended: dict[str, float] = {}  # kernel_id -> monotonic time it went away
 
     def update(
@@ -244,33 +402,154 @@ class Accountant:
             version, inventory and no measurement as the last pass, the rates are known unchanged.
         """
         now = self._monotonic()
+        self._read_energy(snapshot, resolver)
         measured = {(u.kernel_id, u.device_id): u for u in attribution.kernels if u.allocated} if attribution else {}
         env = (_inventory_key(snapshot), resolver.scheme, id(capacity))
         inputs = (version, env) if version is not None and not measured else None
         expiring = any(now - t > self._retention for t in self._ended.values())  # O(ended kernels)
         if inputs is not None and inputs == self._inputs and self._result is not None and not expiring:
+            # Nothing measured: an interval after this one is split by allocation, as these
+            # counters read (see _settle), whatever the next pass measures.
+            self._use_before = frozenset()
             prev = self._result
-            return Accounting(prev.shares, prev.kernels,
-                              _Counters(self._alloc_base, self._alloc_rates, self._since, now),
-                              _Counters(self._used_base, self._used_rates, self._since, now))
+            return self._publish(prev.shares, prev.kernels, now, MappingProxyType(dict.fromkeys(prev.measured, False)))
         self._inputs = inputs
-        shares, uses, alloc_rates, used_rates, present = self._rates(kernels, snapshot, resolver, capacity, measured, env)
-        self._settle(now, alloc_rates, used_rates, present)
+        shares, uses, alloc_rates, present, active = self._rates(kernels, snapshot, resolver, capacity, measured, env)
+        devices = {resolver.label(d) for d in snapshot.devices} | {gpu for _, gpu in alloc_rates}
+        owners = {k.kernel_id: _owner(k) for k in kernels}
+        busy_measured, again, raw, mig = self._read_busy(snapshot, resolver, attribution, now)
+        # Sums of floats depend on their order: summed in key order, the per-device and per-owner
+        # counters are the same whatever order the kernels were read in (the scan's order is
+        # the file system's).
+        alloc_rates, raw = dict(sorted(alloc_rates.items())), dict(sorted(raw.items()))
+        step = _Pass(now, tuple(sorted(devices)), busy_measured, again, raw, frozenset(active), mig, owners)
+        self._settle(step, alloc_rates, present)
+        flags = MappingProxyType({gpu: gpu in busy_measured or gpu in again for gpu in step.devices})
+        return self._publish(MappingProxyType(shares), MappingProxyType(uses), now, flags)
+
+    def _publish(self, shares: Mapping, uses: Mapping, now: float, flags: Mapping[str, bool]) -> Accounting:
+        since = self._since
+        drive = {gpu: joules - self._joules_at_since.get(gpu, 0.0) for gpu, joules in self._joules.items()}
         self._result = Accounting(
-            shares=MappingProxyType(shares),
-            kernels=MappingProxyType(uses),
-            allocated_seconds=_Counters(self._alloc_base, self._alloc_rates, self._since, now),
-            used_seconds=_Counters(self._used_base, self._used_rates, self._since, now),
+            shares=shares,
+            kernels=uses,
+            allocated_seconds=_Counters(self._alloc_base, self._alloc_rates, since, now),
+            busy_seconds=MappingProxyType(self._busy),
+            energy_joules=_Driven(self._energy_base, self._energy_rates, drive),
+            device_allocated_seconds=_Counters(self._dev_alloc_base, self._dev_alloc_rates, since, now),
+            device_unallocated_seconds=_Counters(self._dev_free_base, self._dev_free_rates, since, now),
+            device_busy_seconds=MappingProxyType(self._dev_busy),
+            device_energy_joules=_Driven(self._dev_energy_base, self._dev_energy_rates, drive),
+            device_unattributed_joules=_Driven(self._dev_unattr_base, self._dev_unattr_rates, drive),
+            owner_allocated_seconds=_Counters(self._own_alloc_base, self._own_alloc_rates, since, now),
+            owner_busy_seconds=MappingProxyType(self._own_busy),
+            owner_energy_joules=_Driven(self._own_energy_base, self._own_energy_rates, drive),
+            measured=flags,
         )
         return self._result
+
+    def _read_energy(self, snapshot: TelemetrySnapshot, resolver: DeviceResolver) -> None:
+        """Adds each GPU's energy since the last read to its joules.
+
+        A counter that went back or belongs to a new ``nvml_generation`` (the driver was
+        reloaded) counts from 0; a failed read adds nothing, and the next one adds the gap.
+        """
+        for d in snapshot.devices:
+            if d.energy_joules is None or not d.up or d.stale:
+                continue
+            gpu = resolver.label(d)
+            last = self._energy_read.get(gpu)
+            if last is None:
+                delta = 0.0  # the first read is the baseline: the ledger starts here
+            elif last[0] != d.nvml_generation or d.energy_joules < last[1]:
+                delta = d.energy_joules
+            else:
+                delta = d.energy_joules - last[1]
+            self._energy_read[gpu] = (d.nvml_generation, d.energy_joules)
+            self._joules[gpu] = self._joules.get(gpu, 0.0) + delta
+
+    def _read_busy(self, snapshot: TelemetrySnapshot, resolver: DeviceResolver, attribution: AttributionResult | None,
+                   now: float) -> tuple[frozenset[str], frozenset[str], dict[_Pair, float], frozenset[str]]:
+        """The GPUs whose busy time a new sample measured, those whose sample was already
+        counted (a pass for an allocation change between samples: it adds nothing and keeps the
+        marks, so the next sample is charged over its whole span), each (kernel, GPU)'s busy
+        seconds since the GPU's last measured sample, and the MIG GPUs whose instances'
+        processes were read."""
+        measured: set[str] = set()
+        again: set[str] = set()
+        mig: set[str] = set()
+        raw: dict[_Pair, float] = {}
+        if attribution is None:
+            return frozenset(), frozenset(), raw, frozenset()
+        read = attribution.devices
+        units: dict[str, str] = {}  # process list label -> GPU label
+        gpus = []
+        for d in snapshot.devices:
+            gpu = resolver.label(d)
+            labels = [resolver.label(m) for m in d.mig_devices] or [gpu]
+            if not d.up or d.stale or not all(label in read for label in labels):
+                continue
+            if d.mig_devices:
+                mig.add(gpu)
+            if d.process_busy_seconds is None:
+                continue
+            for label in labels:
+                units[label] = gpu
+            gpus.append((gpu, d))
+        if not gpus:
+            return frozenset(), frozenset(), raw, frozenset(mig)
+        listed: dict[str, list[ProcessUsage]] = {}
+        for p in attribution.processes:
+            gpu = units.get(p.device_id)
+            if gpu is not None:
+                listed.setdefault(gpu, []).append(p)
+        horizon = now - self._retention
+        for gpu, d in gpus:
+            if self._busy_read.get(gpu) is d:
+                again.add(gpu)
+                continue
+            self._busy_read[gpu] = d
+            measured.add(gpu)
+            busy = d.process_busy_seconds
+            seen = self._procs.get(gpu)
+            if seen is None or self._procs_gen.get(gpu) != d.nvml_generation:
+                seen = self._procs[gpu] = {}  # a new source generation counts every process from 0
+                self._procs_gen[gpu] = d.nvml_generation
+            by_pid = {key[0]: key for key in seen}
+            counted = set()
+            for p in listed.get(gpu, ()):
+                counted.add(p.pid)
+                self._count(seen, (p.pid, p.start_time), busy.get(p.pid), p.kernel_id, gpu, raw, now)
+            # A process the counter names but the list no longer does (it ended between the
+            # two reads) is charged to the kernel it last belonged to.
+            for pid, value in busy.items():
+                if pid not in counted and pid in by_pid:
+                    key = by_pid[pid]
+                    self._count(seen, key, value, seen[key].kernel_id, gpu, raw, now)
+            for key in [key for key, s in seen.items() if s.at < horizon]:
+                del seen[key]
+        return frozenset(measured), frozenset(again), raw, frozenset(mig)
+
+    @staticmethod
+    def _count(seen: dict, key: tuple[int, int | None], value: float | None, kernel_id: str | None, gpu: str,
+               raw: dict[_Pair, float], now: float) -> None:
+        if value is None:  # listed, but no busy time yet: an idle process
+            return
+        last = seen.get(key)
+        # A counter that went back belongs to a new process under a recycled key: all of it is new.
+        delta = value - last.busy if last is not None and value >= last.busy else value
+        seen[key] = _Seen(value, now, kernel_id)
+        if kernel_id is not None and delta > 0:
+            pair = (kernel_id, gpu)
+            raw[pair] = raw.get(pair, 0.0) + delta
 
     def _rates(self, kernels: Collection[Kernel], snapshot: TelemetrySnapshot, resolver: DeviceResolver,
                capacity: CapacityConfig, measured: Mapping, env: Hashable) -> tuple:
         """Each kernel's shares and measured use, and the counters' rates from now on."""
-        shares: dict[tuple[str, str], float] = {}
+        shares: dict[_Pair, float] = {}
         uses: dict[str, KernelUse] = {}
-        alloc_rates: dict[tuple[str, str], float] = {}
-        used_rates: dict[tuple[str, str], float] = {}
+        alloc_rates: dict[_Pair, float] = {}
+        active: list[_Pair] = []
         if env != self._held_env:
             self._held_env, self._held = env, {}
         held_now: dict[str, _HeldEntry] = {}
@@ -293,12 +572,12 @@ class Accountant:
                     shares[key] = alloc_rates[key] = share
                 continue
             utils, mems = [], []
-            per_gpu_util: dict[str, list[float | None]] = {}
             for h in held:
                 u = measured.get((k.kernel_id, h.alloc_device_id))
                 util = u.utilization_ratio if u is not None else None
                 utils.append(util)
-                per_gpu_util.setdefault(h.gpu, []).append(util)
+                if u is not None and u.processes:
+                    active.append((k.kernel_id, h.gpu))
                 used = u.memory_used_bytes if u is not None else None
                 # A 0-1 ratio: a kernel over its share (plugins that do not cap memory) counts as
                 # fully using it; the bytes themselves are gpu_alloc_kernel_memory_used_bytes.
@@ -307,18 +586,93 @@ class Accountant:
             for gpu, share in held_shares:
                 key = (k.kernel_id, gpu)
                 shares[key] = alloc_rates[key] = share
-                util = _mean(per_gpu_util[gpu])
-                if util is not None:
-                    used_rates[key] = share * util
+        # An overcommitted GPU (shares adding up to more than 1) gives each kernel its share of
+        # what there is, so the GPU's ledger balances: share ÷ Σ shares.
+        total: dict[str, float] = {}
+        for (_, gpu), share in alloc_rates.items():
+            total[gpu] = total.get(gpu, 0.0) + share
+        over = {gpu: t for gpu, t in total.items() if t > 1.0}
+        if over:
+            for key in alloc_rates:
+                if key[1] in over:
+                    alloc_rates[key] /= over[key[1]]
         self._held = held_now
-        return shares, uses, alloc_rates, used_rates, held_now
+        return shares, uses, alloc_rates, held_now, active
 
-    def _settle(self, now: float, alloc_rates: dict, used_rates: dict, present: Mapping[str, object]) -> None:
-        """Bring every counter to ``now`` at the old rates, then take the new ones (new dicts:
-        results already handed out keep reading theirs)."""
-        dt = max(0.0, now - self._since) if self._alloc_base or self._used_base else 0.0
-        alloc = {key: value + self._alloc_rates.get(key, 0.0) * dt for key, value in self._alloc_base.items()}
-        used = {key: value + self._used_rates.get(key, 0.0) * dt for key, value in self._used_base.items()}
+    def _weights(self, step: _Pass, dt: float, busy: Mapping[_Pair, float]) -> dict[str, dict[_Pair, float]]:
+        """Per GPU, each kernel's fraction of the energy of the interval that ends now (``busy``:
+        the busy GPU-seconds charged this pass)."""
+        by_gpu: dict[str, dict[_Pair, float]] = {}
+        for key, rate in self._alloc_rates.items():
+            by_gpu.setdefault(key[1], {})[key] = rate
+        if self._split == "allocation" or dt <= 0:
+            return by_gpu
+        before = self._use_before  # both ends of the interval must have measured use
+        for gpu, alloc in by_gpu.items():
+            if gpu in step.busy_measured and gpu in before:
+                activity = {key: busy.get(key, 0.0) for key in alloc}
+            elif gpu in step.mig and gpu in before:  # no per-process counter: the instances running a process
+                activity = {key: rate if key in step.active else 0.0 for key, rate in alloc.items()}
+            else:
+                continue
+            # By use: the allocated part of the energy follows each kernel's part of the activity
+            # (none where nothing was active); the unallocated part stays unattributed.
+            total, held = sum(activity.values()), sum(alloc.values())
+            use = {key: held * a / total if total > 0 else 0.0 for key, a in activity.items()}
+            weights = use if self._split == "use" else {key: max(rate, use[key]) for key, rate in alloc.items()}
+            total = sum(weights.values())
+            by_gpu[gpu] = {key: w / total for key, w in weights.items()} if total > 1.0 else weights
+        return by_gpu
+
+    def _settle(self, step: _Pass, alloc_rates: dict, present: Mapping[str, object]) -> None:
+        """Bring every counter to ``now`` at the old rates (energy at this interval's split, busy
+        time where measured), then take the new rates (new dicts: results already handed out
+        keep reading theirs)."""
+        now = step.now
+        dt = max(0.0, now - self._since) if self._settled else 0.0
+        alloc = _grown(self._alloc_base, self._alloc_rates, dt)
+        dev_alloc = _grown(self._dev_alloc_base, self._dev_alloc_rates, dt)
+        dev_free = _grown(self._dev_free_base, self._dev_free_rates, dt)
+        own_alloc = _grown(self._own_alloc_base, self._own_alloc_rates, dt)
+        # Busy time: the kernel's processes' busy seconds (at most the time since the GPU's last
+        # measurement) × the share it held, i.e. at most the GPU-seconds it held since then.
+        busy, dev_busy, own_busy = dict(self._busy), dict(self._dev_busy), dict(self._own_busy)
+        mark = self._mark
+        measured = step.busy_measured
+        # The interval's owner: as known now (an identity read late still claims the time before
+        # it), else as known at its start (a kernel that ended).
+        now_owners, old_owners = step.owners, self._owners
+
+        def owner_of(kernel_id: str) -> _Owner:
+            return now_owners.get(kernel_id) or old_owners.get(kernel_id, _NO_OWNER)
+
+        charged: dict[_Pair, float] = {}
+        if measured:
+            for key, value in step.raw_busy.items():
+                if key in alloc and key[1] in measured:
+                    c = charged[key] = max(0.0, min(value * self._alloc_rates.get(key, 0.0), alloc[key] - mark.get(key, 0.0)))
+                    busy[key] = busy.get(key, 0.0) + c
+                    dev_busy[key[1]] = dev_busy.get(key[1], 0.0) + c
+                    owner = owner_of(key[0])
+                    own_busy[owner] = own_busy.get(owner, 0.0) + c
+            for key in alloc:
+                if key[1] in measured:
+                    mark[key] = alloc[key]
+        energy, dev_energy = dict(self._energy_base), dict(self._dev_energy_base)
+        dev_unattr, own_energy = dict(self._dev_unattr_base), dict(self._own_energy_base)
+        joules = {gpu: j - self._joules_at_since.get(gpu, 0.0) for gpu, j in self._joules.items()}
+        weights = self._weights(step, dt, charged)
+        for gpu, used_j in joules.items():
+            charged = 0.0
+            if used_j:
+                for key, w in weights.get(gpu, {}).items():
+                    e = used_j * w
+                    charged += e
+                    energy[key] = energy.get(key, 0.0) + e
+                    owner = owner_of(key[0])
+                    own_energy[owner] = own_energy.get(owner, 0.0) + e
+            dev_energy[gpu] = dev_energy.get(gpu, 0.0) + charged
+            dev_unattr[gpu] = dev_unattr.get(gpu, 0.0) + max(0.0, used_j - charged)
         # Counters of kernels that went away stay for the retention period, then go.
         for kid in {key[0] for key in alloc} - present.keys():
             if now - self._ended.setdefault(kid, now) > self._retention:
@@ -327,18 +681,71 @@ class Accountant:
             del self._ended[kid]
         gone = {k for k, t in self._ended.items() if t < 0}
         if gone:
-            alloc = {key: v for key, v in alloc.items() if key[0] not in gone}
-            used = {key: v for key, v in used.items() if key[0] not in gone}
+            alloc, energy, busy = ({key: v for key, v in d.items() if key[0] not in gone} for d in (alloc, energy, busy))
+            self._mark = mark = {key: v for key, v in mark.items() if key[0] not in gone}
             for kid in gone:
                 del self._ended[kid]
-        # Pairs present now start their counters at 0, so the series exists from the first pass.
+        # Pairs and GPUs present now start their counters at 0, so the series exist from the
+        # first pass; energy and busy only where measured (no sample where not, never 0).
+        energy_gpus = self._energy_read.keys()
         for key in alloc_rates:
             alloc.setdefault(key, 0.0)
-        for key in used_rates:
-            used.setdefault(key, 0.0)
-        self._alloc_base, self._used_base = alloc, used
-        self._alloc_rates, self._used_rates = alloc_rates, used_rates
-        self._since = now
+            if key[1] in energy_gpus:
+                energy.setdefault(key, 0.0)
+            if key[1] in measured:
+                busy.setdefault(key, 0.0)
+                mark.setdefault(key, 0.0)
+        for gpu in step.devices:
+            dev_alloc.setdefault(gpu, 0.0)
+            dev_free.setdefault(gpu, 0.0)
+            if gpu in energy_gpus:
+                dev_energy.setdefault(gpu, 0.0)
+                dev_unattr.setdefault(gpu, 0.0)
+            if gpu in measured:
+                dev_busy.setdefault(gpu, 0.0)
+        # The new rates: time, and energy split by allocation (what counters read until the next
+        # pass settles them; a pass that measures use settles its interval by use).
+        dev_rates: dict[str, float] = {}
+        own_rates: dict[_Owner, float] = {}
+        own_split: dict[_Owner, dict[str, float]] = {}
+        energy_rates: dict[_Pair, _Split] = {}
+        for key, rate in alloc_rates.items():
+            gpu, owner = key[1], step.owners.get(key[0], _NO_OWNER)
+            dev_rates[gpu] = dev_rates.get(gpu, 0.0) + rate
+            own_rates[owner] = own_rates.get(owner, 0.0) + rate
+            split = own_split.setdefault(owner, {})
+            split[gpu] = split.get(gpu, 0.0) + rate
+            energy_rates[key] = ((gpu, rate),)
+        for owner, split in own_split.items():
+            own_alloc.setdefault(owner, 0.0)
+            if not energy_gpus.isdisjoint(split):
+                own_energy.setdefault(owner, 0.0)
+            if not measured.isdisjoint(split):
+                own_busy.setdefault(owner, 0.0)
+        free_rates = {gpu: max(0.0, 1.0 - dev_rates.get(gpu, 0.0)) for gpu in step.devices}
+        self._alloc_base, self._alloc_rates = alloc, alloc_rates
+        self._dev_alloc_base, self._dev_alloc_rates = dev_alloc, dev_rates
+        self._dev_free_base, self._dev_free_rates = dev_free, free_rates
+        self._own_alloc_base, self._own_alloc_rates = own_alloc, own_rates
+        self._energy_base, self._energy_rates = energy, energy_rates
+        self._dev_energy_base, self._dev_energy_rates = dev_energy, {g: ((g, r),) for g, r in dev_rates.items()}
+        self._dev_unattr_base, self._dev_unattr_rates = dev_unattr, {g: ((g, r),) for g, r in free_rates.items()}
+        self._own_energy_base = own_energy
+        self._own_energy_rates = {owner: tuple(split.items()) for owner, split in own_split.items()}
+        self._busy, self._dev_busy, self._own_busy = busy, dev_busy, own_busy
+        self._owners = step.owners
+        self._use_before = measured | step.busy_again | step.mig
+        self._joules_at_since = dict(self._joules)
+        self._since, self._settled = now, True
+
+
+def _grown(base: Mapping[Hashable, float], rates: Mapping[Hashable, float], dt: float) -> dict:
+    return {key: value + rates.get(key, 0.0) * dt for key, value in base.items()}
+
+
+def _owner(kernel: Kernel) -> _Owner:
+    identity = kernel.identity
+    return (identity.user_id, identity.project_id) if identity is not None else _NO_OWNER
 
 
 def _mean(values: list[float | None]) -> float | None:

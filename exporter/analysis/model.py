@@ -31,9 +31,8 @@ from exporter.analysis.headroom import SlotHeadroom
 from exporter.analysis.health import DeviceHealth, HealthReport, HealthState
 from exporter.analysis.liveness import CgroupScan, KernelLiveness, Liveness
 from exporter.analysis.node import HeadroomFigures, Inventory, NodeState
-from exporter.analysis.placement import Policy
 from exporter.analysis.shapes import ShapeFigures, ShapeVerdict
-from exporter.analysis.simulate import parse_request, result_document, simulate
+from exporter.analysis.simulate import parse_policy, parse_request, result_document, simulate
 from exporter.analysis.xid import XidInfo, xid_info
 from exporter.scratch.allocation import AllocationView
 from exporter.telemetry.devices import DeviceResolver
@@ -132,7 +131,7 @@ class Analysis:
         except ValueError as exc:
             raise ValueError(f"parameter request: {exc}") from None
         try:
-            chosen = Policy(policy)
-        except ValueError:
-            raise ValueError(f"parameter policy: expected one of {', '.join(p.value for p in Policy)}") from None
+            chosen = parse_policy(policy)
+        except ValueError as exc:
+            raise ValueError(f"parameter policy: {exc}") from None
         return result_document(simulate(self.state, want, chosen))

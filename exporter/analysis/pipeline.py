@@ -1,16 +1,18 @@
 """The analysis pipeline: allocation view + telemetry snapshot -> one :class:`~exporter.analysis.model.Analysis`.
 
-One thread runs it. It wakes when the allocation book changes or the sampler publishes (both
-call :meth:`AnalysisPipeline.poke`), or at the latest every ``interval`` seconds, and runs one
-pass over whatever moved since the last, coalescing any number of changes into one result:
+Two threads run it, each over whatever moved since its last pass, coalescing any number of
+changes into one result. The *usage* thread wakes when the sampler publishes (or at the latest
+every ``interval`` seconds); the *allocation* thread when the allocation book changes, or when a
+usage pass moved what placement reads. So a kernel change reaches headroom without waiting for
+a usage pass, however long that one takes:
 
-* **join**: the device resolver (allocation ids <-> telemetry devices) and the inventory, again
-  only when the snapshot or the set of allocated GPU ids changed;
-* **liveness**: stale kernels from the cgroup tree, on a usage pass, when the kernels changed
+* **join** (either thread): the device resolver (allocation ids <-> telemetry devices) and the
+  inventory, again only when the snapshot or the set of allocated GPU ids changed;
+* **liveness** (usage): stale kernels from the cgroup tree, on a usage pass, when the kernels changed
   or every :data:`STALE_CHECK_SECONDS`;
-* **usage**: process attribution, ghost memory, device health and accounting, on every new
+* **usage** (usage): process attribution, ghost memory, device health and accounting, on every new
   telemetry sample (or interval);
-* **allocation**: the node state, its headroom figures, the ratio map's divisors, allocations
+* **allocation** (allocation): the node state, its headroom figures, the ratio map's divisors, allocations
   on unknown devices and each agent's share, again whenever the view, the inventory, the
   liveness or the ghost memory per device changed: a kernel change reaches headroom in one
   pass, without waiting for a sample.
@@ -173,6 +175,14 @@ def analyse(
 class AnalysisPipeline:
     """Runs the passes and publishes each :class:`Analysis`; see the module docstring.
 
+    Two threads run them, so that a kernel change never waits for a usage pass (at 10,000
+    kernels a usage pass after a change re-integrates every kernel's counters and re-judges its
+    liveness, hundreds of milliseconds of Python): ``analysis`` runs the allocation stage when
+    the book changes, ``analysis-usage`` the join and the usage stage on every sample or
+    interval. Each publishes its own fields into the newest model; a usage pass that moved the
+    inventory, the liveness or the ghost memory wakes the allocation stage, which then places
+    on them. A model may so briefly pair a new view with the previous pass's usage figures.
+
     :param view: the allocation book's current view (cheap when nothing changed).
     :param telemetry: the sampler's (version, latest snapshot).
     :param tracker: process attribution, kept across passes (it integrates idle windows).
@@ -205,13 +215,18 @@ class AnalysisPipeline:
         self._clock = clock
         self._monotonic = monotonic
         self._model: Analysis | None = None
-        self._gpu_ids: frozenset[str] = frozenset()
+        self._join_ids: frozenset[str] = frozenset()  # the GPU ids the published join was made for
+        self._placed: tuple = ()  # (view, inventory, liveness, ghost totals) the published node state is of
         self._judged: tuple[int, float] = (-1, 0.0)  # (view version, monotonic time) of the last staleness check
+        self._stale: tuple[Mapping | None, Mapping[str, KernelLiveness]] = (None, {})  # (liveness, its stale verdicts)
         self._next_usage = 0.0  # monotonic time the next usage pass is due without a sample
-        self._lock = threading.Lock()  # one pass at a time (the thread, and start() before it)
-        self._wake = threading.Event()
+        self._usage_lock = threading.Lock()  # one usage pass at a time (its trackers integrate)
+        self._allocation_lock = threading.Lock()  # one allocation pass at a time
+        self._publish_lock = threading.Lock()  # one replacement of the model at a time
+        self._changed = threading.Event()  # the book moved, or a usage pass moved what placement reads
+        self._sampled = threading.Event()
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
 
     @property
     def current(self) -> Analysis:
@@ -220,36 +235,58 @@ class AnalysisPipeline:
         return model if model is not None else self.step()
 
     def poke(self) -> None:
-        """Something changed: run a pass soon. Cheap, never blocks (book and sampler call it)."""
-        self._wake.set()
+        """The allocation book changed: place it soon. Cheap, never blocks (the book calls it
+        under its lock)."""
+        self._changed.set()
+
+    def sampled(self) -> None:
+        """The sampler published: run a usage pass soon. Cheap, never blocks."""
+        self._sampled.set()
 
     def start(self, first: Callable[[], None] | None = None) -> None:
-        """Run passes on a thread of their own; ``first`` runs on it once before the first wait."""
-        self._thread = threading.Thread(target=self._loop, args=(first,), name="analysis", daemon=True)
-        self._thread.start()
+        """Run passes on threads of their own; ``first`` runs on the allocation thread once before
+        its first wait."""
+        self._threads = [threading.Thread(target=self._allocation_loop, args=(first,), name="analysis", daemon=True),
+                         threading.Thread(target=self._usage_loop, name="analysis-usage", daemon=True)]
+        for thread in self._threads:
+            thread.start()
 
     def close(self) -> None:
         self._stop.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join()
+        self._changed.set()
+        self._sampled.set()
+        for thread in self._threads:
+            thread.join()
 
-    def _loop(self, first: Callable[[], None] | None) -> None:
+    def _allocation_loop(self, first: Callable[[], None] | None) -> None:
         if first is not None:
             try:
                 first()
             except Exception:  # never a dead thread: whatever it prepares is built again on use
                 log.exception("preparing the metrics collector failed")
         while not self._stop.is_set():
-            self._wake.wait(max(self._next_usage - self._monotonic(), 0.0))
+            self._changed.wait()
             if self._stop.is_set():
                 return
-            self._wake.clear()
-            try:
-                self._pass(full=False)
-            except Exception:
-                log.exception("analysis pass failed; the last result stays published")
-                self._stop.wait(1.0)  # a pass that keeps failing must not spin a core
+            self._changed.clear()
+            self._guarded(self._allocation_pass)
+
+    def _usage_loop(self) -> None:
+        while not self._stop.is_set():
+            self._sampled.wait(max(self._next_usage - self._monotonic(), 0.0))
+            if self._stop.is_set():
+                return
+            self._sampled.clear()
+            if self._guarded(self._usage_pass):
+                self._changed.set()
+
+    def _guarded(self, run: Callable[[], object]) -> object:
+        try:
+            return run()
+        except Exception:
+            log.exception("analysis pass failed; the last result stays published")
+            self._stop.wait(1.0)  # a pass that keeps failing must not spin a core
+            return None
 
     def step(self) -> Analysis:
         """One full pass now (usage included, whether or not a sample arrived); publishes and
@@ -257,35 +294,95 @@ class AnalysisPipeline:
         return self._pass(full=True)
 
     def _pass(self, full: bool) -> Analysis:
-        """One pass over what moved since the last (``full``: the usage stage too)."""
-        with self._lock:
+        """Both stages on the calling thread: usage when due (``full``: always), then placement
+        of whatever moved."""
+        self._usage_pass(full)
+        self._allocation_pass()
+        return self._model
+
+    def _publish(self, changes: dict, join_ids: frozenset[str] | None = None) -> Analysis:
+        """Replace the model with ``changes`` applied to the newest one (``join_ids``: the
+        changes carry a device join made for these GPU ids)."""
+        with self._publish_lock:
             prev = self._model
-            view = self._view()
+            changes["version"] = prev.version + 1 if prev else 1
+            if join_ids is not None:
+                self._join_ids = join_ids
+            self._model = replace(prev, **changes) if prev else Analysis(layout=self.config.layout, **changes)
+            return self._model
+
+    def _usage_pass(self, full: bool = False) -> bool:
+        """The join (when the snapshot or the GPU ids moved) and the usage stage, when a sample
+        arrived, the interval passed or ``full``; publishes them. Returns whether it ran."""
+        with self._usage_lock:
+            prev = self._model
             sample_version, snapshot = self._telemetry()
             now = self._monotonic()
-            usage_due = full or prev is None or sample_version != prev.sample_version or now >= self._next_usage
-            if prev is not None and view is prev.view and not usage_due:
-                return prev  # a wake for a change a previous pass already covered
+            if not (full or prev is None or sample_version != prev.sample_version or now >= self._next_usage):
+                return False
+            view = self._view()
             ids = gpu_ids(view)
-            if prev is not None and snapshot is prev.snapshot and ids == self._gpu_ids:
+            if prev is not None and snapshot is prev.snapshot and ids == self._join_ids:
                 resolver, inventory = prev.resolver, prev.inventory
             else:
                 resolver, inventory = device_join(view, snapshot, self.config.device_id_scheme)
-                self._gpu_ids = ids
-            changes: dict = {"view": view, "snapshot": snapshot, "sample_version": sample_version,
-                             "resolver": resolver, "inventory": inventory, "version": prev.version + 1 if prev else 1}
-            if usage_due:
-                changes.update(self._usage(prev, view, snapshot, resolver, now))
-                self._next_usage = now + self.config.interval
-            liveness = changes.get("liveness", prev.liveness if prev else {})
-            ghost = changes.get("ghost_totals", prev.ghost_totals if prev else {})
-            if (prev is None or view is not prev.view or inventory != prev.inventory or liveness is not prev.liveness
-                    or ghost != prev.ghost_totals):
-                changes.update(_allocation_stage(view, snapshot, resolver, inventory, self.config.params,
-                                                 self.config.layout, liveness, ghost, self.config.shapes))
-                changes["headroom_version"] = prev.headroom_version + 1 if prev else 1
-            self._model = replace(prev, **changes) if prev else Analysis(layout=self.config.layout, **changes)
-            return self._model
+            changes: dict = {"snapshot": snapshot, "sample_version": sample_version, "resolver": resolver,
+                             "inventory": inventory}
+            changes.update(self._usage(prev, view, snapshot, resolver, now))
+            self._next_usage = now + self.config.interval
+            if prev is None:  # the first model is published whole, never without a node state
+                changes.update(self._placement(view, inventory, resolver, snapshot, changes.get("liveness", {}),
+                                               changes.get("ghost_totals", {}), None))
+            self._publish(changes, ids)
+            return True
+
+    def _allocation_pass(self) -> Analysis | None:
+        """The allocation stage, when the view, the inventory, the liveness or the ghost memory
+        moved since the published node state was placed; publishes it."""
+        with self._allocation_lock:
+            prev = self._model
+            if prev is None:
+                return None
+            view = self._view()
+            snapshot, resolver, inventory = prev.snapshot, prev.resolver, prev.inventory
+            ids = gpu_ids(view)
+            join_ids = None
+            if ids != self._join_ids:  # a GPU id no join has seen: join again, on the same snapshot
+                resolver, inventory = device_join(view, snapshot, self.config.device_id_scheme)
+                join_ids = ids
+            placed = self._placed
+            if (placed and view is placed[0] and inventory == placed[1] and prev.liveness is placed[2]
+                    and prev.ghost_totals == placed[3]):
+                return prev
+            changes = self._placement(view, inventory, resolver, snapshot, prev.liveness, prev.ghost_totals, prev)
+            if join_ids is not None:
+                changes.update(resolver=resolver, inventory=inventory)
+            with self._publish_lock:  # a usage pass that published a newer snapshot meanwhile keeps its join
+                stale_join = self._model.snapshot is not snapshot
+            if stale_join:
+                changes.pop("resolver", None)
+                changes.pop("inventory", None)
+                join_ids = None
+                self._changed.set()  # place again on the newer join
+            return self._publish(changes, join_ids)
+
+    def _placement(self, view: AllocationView, inventory: Inventory, resolver: DeviceResolver,
+                   snapshot: TelemetrySnapshot, liveness: Mapping[str, KernelLiveness], ghost: Mapping[str, int],
+                   prev: Analysis | None) -> dict:
+        fields = _allocation_stage(view, snapshot, resolver, inventory, self.config.params, self.config.layout,
+                                   self._stale_of(liveness), ghost, self.config.shapes)
+        self._placed = (view, inventory, liveness, ghost)
+        return {"view": view, **fields, "headroom_version": prev.headroom_version + 1 if prev else 1}
+
+    def _stale_of(self, liveness: Mapping[str, KernelLiveness]) -> Mapping[str, KernelLiveness]:
+        """The stale verdicts of ``liveness``, filtered once per liveness result: liveness has a
+        verdict for every kernel, the node state needs only the few stale ones, and a kernel
+        change must not cost a pass over every kernel."""
+        known, stale = self._stale
+        if known is not liveness:
+            stale = {k: v for k, v in liveness.items() if v.status is Liveness.STALE}
+            self._stale = (liveness, stale)
+        return stale
 
     def _usage(self, prev: Analysis | None, view: AllocationView, snapshot: TelemetrySnapshot, resolver: DeviceResolver,
                now: float) -> dict:

@@ -9,7 +9,10 @@ sees "not enough resources" although the fleet's totals say there is room.
 
 This module answers, per node and per configured :class:`Shape`: the remaining totals as the
 manager computes them (:func:`remaining_totals`), whether the agent would place the shape with
-fragmentation allowed and disallowed, and if not, why (:func:`shape_figures`). The fleet answer is
+fragmentation allowed and disallowed, and if not, why (:func:`shape_figures`); and, to compare
+with the HAMi scheduler, HAMi's node score of each slot (:func:`hami_node_scores`: its ``binpack``
+node policy sends a request to the placeable node with the highest score, ``spread`` to the lowest)
+and the devices HAMi's device policies would pick for each shape. The fleet answer is
 PromQL over these series (``alerts/gpu-alloc-fleet.rules.yml``); :func:`rank_agents` is the same
 ranking in Python, the model the rules are written from and the differential tests compare with the
 released manager.
@@ -31,17 +34,22 @@ from decimal import Decimal
 from exporter.analysis.capacity import is_mig_slot
 from exporter.analysis.node import NodeState
 from exporter.analysis.placement import DeviceFree, Placement, Policy, Request, place
+from exporter.analysis.simulate import HamiPolicy, hami_place, hami_score
 from exporter.units import bounded, parse_binary_size, parse_decimal
 
 __all__ = [
     "DEFAULT_SHAPES",
     "DEFAULT_SHAPE_TEXTS",
+    "HAMI_POLICIES",
+    "HamiPick",
     "MANAGER_PRIORITY",
     "REASONS",
     "SELECTORS",
     "Shape",
     "ShapeFigures",
     "ShapeVerdict",
+    "hami_node_scores",
+    "hami_rank",
     "rank_agents",
     "remaining_totals",
     "shape_figures",
@@ -145,14 +153,33 @@ class ShapeVerdict:
     reason: str | None  # one of REASONS when refused
 
 
+# HAMi's policy names (``hami.io/node-scheduler-policy``, ``hami.io/gpu-scheduler-policy``) and
+# the device policy :mod:`exporter.analysis.simulate` plays for each.
+HAMI_POLICIES = {"binpack": HamiPolicy.BINPACK, "spread": HamiPolicy.SPREAD}
+
+
+@dataclass(frozen=True, slots=True)
+class HamiPick:
+    """One shape under one HAMi device policy on this node: the devices it would take
+    (device id -> amount), or None with the allocator's rejection reason."""
+
+    shape: str
+    policy: str  # "binpack" or "spread"
+    placement: Mapping[str, Decimal] | None
+    reason: str | None = None
+
+
 @dataclass(frozen=True)
 class ShapeFigures:
     """What the fleet rules read of one node: remaining totals per slot, the shapes' requests
-    (accelerator slot and amount) and a verdict per shape and fragmentation mode."""
+    (accelerator slot and amount) and a verdict per shape and fragmentation mode; HAMi's node
+    score per slot and each shape's devices under HAMi's device policies."""
 
     remaining: Mapping[str, Decimal] = field(default_factory=dict)
     shapes: tuple[Shape, ...] = ()
     verdicts: tuple[ShapeVerdict, ...] = ()
+    hami_scores: Mapping[str, Decimal] = field(default_factory=dict)
+    hami_picks: tuple[HamiPick, ...] = ()
 
 
 def _registered(state: NodeState, slot: str, d: DeviceFree) -> Decimal:
@@ -168,6 +195,31 @@ def remaining_totals(state: NodeState) -> dict[str, Decimal]:
     overcommitted, as the manager's own figure can be."""
     return {slot: sum((_registered(state, slot, d) - d.allocated for d in devices), _ZERO)
             for slot, devices in state.slots.items()}
+
+
+def hami_node_scores(state: NodeState) -> dict[str, Decimal]:
+    """Per accelerator slot, HAMi's node score (``NodeScore.ComputeDefaultScore``): the used
+    ratios of the node's devices summed over them, before the request
+    (:func:`~exporter.analysis.simulate.hami_score` of what the kernels occupy over the registered
+    total). HAMi's ``binpack`` node policy prefers the highest score, ``spread`` the lowest; slots
+    without capacity are left out."""
+    out = {}
+    for slot, devices in state.slots.items():
+        total = sum((_registered(state, slot, d) for d in devices), _ZERO)
+        if total > 0:
+            out[slot] = hami_score(sum((d.allocated for d in devices), _ZERO), total)
+    return out
+
+
+def _hami_pick(state: NodeState, shape: Shape, policy: str) -> HamiPick:
+    slot, amount = shape.accelerator
+    devices = state.slots.get(slot)
+    if not devices:
+        return HamiPick(shape.name, policy, None, "no-devices")
+    result = hami_place(devices, Request(slot, amount), HAMI_POLICIES[policy], state.slot_quantum(slot))
+    if isinstance(result, Placement):
+        return HamiPick(shape.name, policy, dict(result.amounts))
+    return HamiPick(shape.name, policy, None, result.reason)
 
 
 def _placed(state: NodeState, devices: Sequence[DeviceFree], slot: str, amount: Decimal, guarded: bool) -> bool:
@@ -212,7 +264,8 @@ def shape_figures(state: NodeState, shapes: Sequence[Shape], exclude_stale: bool
         for label, guarded in (("allowed", False), ("disallowed", True)):
             ok, reason = _verdict(state, remaining, shape, guarded, stale_counted=not exclude_stale)
             verdicts.append(ShapeVerdict(shape.name, label, ok, reason))
-    return ShapeFigures(remaining, tuple(shapes), tuple(verdicts))
+    picks = tuple(_hami_pick(state, shape, policy) for shape in shapes for policy in HAMI_POLICIES)
+    return ShapeFigures(remaining, tuple(shapes), tuple(verdicts), hami_node_scores(state), picks)
 
 
 # --- the manager's ranking ----------------------------------------------------------------------
@@ -263,3 +316,14 @@ def rank_agents(
             return (-_unutilized(totals, request), *(totals.get(s, Decimal(-sys.maxsize)) for s in order))
         best = max(key(a) for a in candidates)
     return tuple(a for a in candidates if key(a) == best)
+
+
+def hami_rank(scores: Mapping[str, Decimal], policy: str) -> tuple[str, ...]:
+    """Nodes (node id -> HAMi node score of the request's slot, for the nodes that can place it)
+    in the order HAMi's node ``policy`` prefers them: ``binpack`` the highest score first,
+    ``spread`` the lowest; equal scores keep the given order (HAMi's sort is not stable, so it
+    may take any of them). The first is where HAMi sends the request."""
+    if policy not in HAMI_POLICIES:
+        raise ValueError(f"policy must be one of {', '.join(HAMI_POLICIES)}, not {policy!r}")
+    sign = -1 if policy == "binpack" else 1
+    return tuple(sorted(scores, key=lambda node: sign * scores[node]))

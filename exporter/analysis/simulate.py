@@ -5,14 +5,20 @@ the live exporter, a scratch tree, or a JSON file written by :meth:`NodeState.to
 reports where it lands and the slot's headroom before and after. :func:`format_table` and
 :func:`result_document` render the result; nothing here does I/O except :func:`load_state`
 (:func:`parse_state` reads the text).
+
+Besides the allocators of :class:`~exporter.analysis.placement.Policy`, the HAMi scheduler's
+device policies (:class:`HamiPolicy`, ``hami-binpack`` and ``hami-spread``) rank the slot's
+devices by HAMi's device score (:func:`hami_score`, :func:`hami_device_order`) and take the first
+that hold the request's part (:func:`hami_place`); docs/headroom.md gives the formula.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +39,98 @@ from exporter.analysis.placement import (
 )
 from exporter.units import bounded, parse_decimal
 
-__all__ = ["SimulationResult", "format_table", "load_state", "parse_request", "parse_state", "result_document", "simulate"]
+__all__ = [
+    "HAMI_WEIGHT",
+    "POLICIES",
+    "HamiPolicy",
+    "SimulationResult",
+    "format_table",
+    "hami_device_order",
+    "hami_place",
+    "hami_score",
+    "load_state",
+    "parse_policy",
+    "parse_request",
+    "parse_state",
+    "result_document",
+    "simulate",
+]
+
+
+class HamiPolicy(str, Enum):
+    """HAMi's GPU scheduler policies (``hami.io/gpu-scheduler-policy``), played on this node's devices."""
+
+    BINPACK = "hami-binpack"  # the device with the highest score first
+    SPREAD = "hami-spread"  # the device with the lowest score first
+
+
+# Every policy ``simulate`` accepts: Backend.AI's and the other allocators', then HAMi's.
+POLICIES = (*(p.value for p in Policy), *(p.value for p in HamiPolicy))
+
+# HAMi's score weight (pkg/util ``Weight``): a score is 10 × the sum of its used ratios.
+HAMI_WEIGHT = Decimal(10)
+_ZERO = Decimal(0)
+
+
+def parse_policy(text: str | Policy | HamiPolicy) -> Policy | HamiPolicy:
+    """A policy name of :data:`POLICIES`; raises ValueError naming the choices."""
+    if isinstance(text, Policy | HamiPolicy):
+        return text
+    for kind in (Policy, HamiPolicy):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    raise ValueError(f"expected one of {', '.join(POLICIES)}")
+
+
+def hami_score(used: Decimal, total: Decimal) -> Decimal:
+    """HAMi's score of ``used`` out of ``total`` shares (one device, or a node's devices summed).
+
+    HAMi adds three used ratios, each times its weight (default 1), and multiplies the sum by
+    :data:`HAMI_WEIGHT`: tasks on the GPU over its split count, cores and memory. A Backend.AI
+    share is a fixed part of a device's SMs (``unit_proc``) and memory (``unit_mem``), so the core
+    and the memory ratio are both ``used / total``; the task term has no Backend.AI counterpart
+    (no per-GPU task limit) and is left out, as a slot weight of 0 would. 0 when ``total`` is not
+    positive, as HAMi scores a device without capacity. Range 0 to 20 (more when overcommitted).
+    """
+    if total <= 0:
+        return _ZERO
+    return HAMI_WEIGHT * 2 * used / total
+
+
+def hami_device_order(devices: Sequence[DeviceFree], part: Decimal, policy: HamiPolicy) -> list[DeviceFree]:
+    """``devices`` in the order HAMi's ``Fit`` tries them for a request of ``part`` per device.
+
+    Each device's score counts the part as if placed there (:func:`hami_score` of allocated plus
+    ``part``). HAMi sorts the devices (binpack: score ascending; spread: descending; equal scores by
+    NUMA node ascending) and ``Fit`` walks the list from its end: binpack tries the highest score
+    first, spread the lowest, and on equal scores the higher NUMA node first (unknown counts as 0,
+    HAMi's default). Devices equal in both keep inventory order (HAMi's sort is not stable).
+    """
+    def numa(d: DeviceFree) -> int:
+        return d.numa_node or 0
+
+    def score(d: DeviceFree) -> Decimal:
+        return hami_score(d.allocated + part, d.capacity)
+
+    if policy is HamiPolicy.BINPACK:
+        return sorted(devices, key=lambda d: (-score(d), -numa(d)))
+    return sorted(devices, key=lambda d: (score(d), -numa(d)))
+
+
+def hami_place(devices: Sequence[DeviceFree], request: Request, policy: HamiPolicy, quantum: Decimal) -> Placement | Rejection:
+    """Place ``request`` as HAMi's device policy would pick the devices.
+
+    The request is cut as the whole-device policies cut it (equal parts on the fewest devices that
+    can each hold the largest part; whole devices and MIG instances count one each); then the
+    devices are taken in :func:`hami_device_order` for that part, the first ones that hold it.
+    """
+    first = place(devices, request, Policy.SIMPLE, quantum=quantum)
+    if not isinstance(first, Placement):
+        return first
+    part = min(first.amounts.values())  # the parts differ by one quantum at most
+    return place(hami_device_order(devices, part, policy), request, Policy.SIMPLE, quantum=quantum)
 
 
 @dataclass(frozen=True)
@@ -42,7 +139,7 @@ class SimulationResult:
     agent release (``rule``) and ``affinity-policy`` the allocator and the figures followed."""
 
     request: Request
-    policy: Policy
+    policy: Policy | HamiPolicy
     outcome: Placement | Rejection
     devices: tuple[DeviceFree, ...]  # before the placement, inventory order
     before: SlotHeadroom | None  # None when the node has no device of the slot
@@ -65,9 +162,10 @@ def parse_request(text: str) -> Request:
 
 
 def simulate(
-    state: NodeState | Mapping[str, Any], request: Request | str, policy: Policy | str = Policy.EVENLY
+    state: NodeState | Mapping[str, Any], request: Request | str, policy: Policy | HamiPolicy | str = Policy.EVENLY
 ) -> SimulationResult:
-    """Place ``request`` (``SLOT=AMOUNT``) on ``state`` under ``policy`` without changing anything.
+    """Place ``request`` (``SLOT=AMOUNT``) on ``state`` under ``policy`` (one of :data:`POLICIES`)
+    without changing anything.
 
     :param state: a :class:`NodeState` or its JSON document.
     :raises ValueError: malformed request, unknown policy or malformed state document.
@@ -76,22 +174,25 @@ def simulate(
         state = NodeState.from_json(state)
     if isinstance(request, str):
         request = parse_request(request)
-    policy = Policy(policy)
+    policy = parse_policy(policy)
     devices = state.slots.get(request.slot, ())
     if not devices:
         others = ", ".join(sorted(state.slots)) or "none"
         detail = f"no device of slot {request.slot} on this node (its slots: {others})"
         outcome: Placement | Rejection = Rejection("no-devices", detail)
         return SimulationResult(request, policy, outcome, (), None, None, state.rule, state.affinity)
-    outcome = place(
-        devices,
-        request,
-        policy,
-        quantum=state.slot_quantum(request.slot),
-        rule=state.rule,
-        affinity=state.affinity,
-        links=state.links,
-    )
+    if isinstance(policy, HamiPolicy):
+        outcome = hami_place(devices, request, policy, state.slot_quantum(request.slot))
+    else:
+        outcome = place(
+            devices,
+            request,
+            policy,
+            quantum=state.slot_quantum(request.slot),
+            rule=state.rule,
+            affinity=state.affinity,
+            links=state.links,
+        )
     after = state.summary(request.slot, apply_placement(devices, outcome)) if isinstance(outcome, Placement) else None
     return SimulationResult(request, policy, outcome, devices, state.summary(request.slot), after, state.rule, state.affinity)
 
@@ -222,7 +323,15 @@ def result_document(result: SimulationResult) -> dict[str, Any]:
             for d in result.devices
         ],
         "headroom": {"before": _figures(result.before), "after": _figures(result.after)},
-    }
+    } | ({"hami_scores": {d: _num(v) for d, v in _hami_scores(result).items()}} if isinstance(result.policy, HamiPolicy) else {})
+
+
+def _hami_scores(result: SimulationResult) -> dict[str, Decimal]:
+    # What HAMi sorted the devices by: each device's score with the request's part counted there
+    # (the smallest part placed); a rejected request counts none.
+    placed = result.outcome.amounts if isinstance(result.outcome, Placement) else {}
+    part = min(placed.values(), default=_ZERO)
+    return {d.device_id: hami_score(d.allocated + part, d.capacity) for d in result.devices}
 
 
 def _amount_text(value: Decimal) -> str:
@@ -261,6 +370,9 @@ def format_table(result: SimulationResult) -> str:
             lines.append(f"note     {outcome.note}")
     else:
         lines.append(f"result   rejected ({outcome.reason}): {outcome.detail}")
+    if isinstance(result.policy, HamiPolicy) and result.devices:
+        scores = ", ".join(f"{d} {_num(v)}" for d, v in _hami_scores(result).items())
+        lines.append(f"hami     device scores, the request's part counted: {scores}")
     if result.devices:
         placed = outcome.amounts if isinstance(outcome, Placement) else {}
         rows = [("device", "numa", "capacity", "allocated", "free", "placed", "free after")]

@@ -14,11 +14,16 @@ the exporter's real paths:
   (:mod:`exporter.demo.host`), so process attribution and stale-kernel checks run on real files.
 
 Sessions arrive at random (seeded) and leave; busy, bursty and idle kernels, a kernel that never
-started a process, MIG kernels and CPU-only kernels. On top, a schedule of planted events: an
-isolation breach, a host process on a GPU, XIDs, corrected ECC errors, a pending row remap, a
-thermal throttle, a GPU that falls off the bus and comes back, a container removed out of band
-(its kernel turns stale), a ``resource.txt`` left half-written, a sweep that strands free
-capacity. Each is logged as it happens. The schedule printed at start names the alerts each fault
+started a process, MIG kernels and CPU-only kernels. Allocations use only the slots a current
+plugin registers (``cuda.shares`` and MIG slots; no plugin writes ``cuda.mem`` any more), so a
+kernel's memory limit is its shares' (``CUDA_MEMORY_LIMITS``); one kernel's processes fill 97 % of
+it. On top, a schedule of planted events: an isolation breach, a host process on a GPU, XIDs,
+corrected ECC errors, a pending row remap, a thermal throttle, a GPU that falls off the bus, a
+container removed out of band (its kernel turns stale), a ``resource.txt`` left half-written, a
+session whose dead process's CUDA context stays (ghost memory), a sweep that strands free
+capacity, and GPU resets (``nvidia-smi -r``: the energy counter restarts, which is how the
+exporter's latched health tells a reset) that clear the lost GPU and, in a maintenance window,
+the remapped one. Each is logged as it happens. The schedule printed at start names the alerts each fault
 raises and by when the shipped rules fire and resolve them (:class:`AlertPromise`): a fault lasts
 at least its alert's ``for:`` and two evaluation intervals, so some last 10 or 30 minutes.
 
@@ -28,6 +33,7 @@ Times are *demo seconds*: wall seconds since the start times ``time_scale``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import heapq
 import itertools
 import logging
@@ -42,7 +48,7 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from pathlib import Path
 
-from exporter.analysis.capacity import CapacityConfig, fractional_capacity
+from exporter.analysis.capacity import CapacityConfig, fractional_capacity, usable_capacity
 from exporter.analysis.placement import DeviceFree, Placement, Policy, Request, place
 from exporter.demo.host import SimulatedHost
 from exporter.demo.tree import append_cid, recovery_json, resource_lines
@@ -75,7 +81,7 @@ class GpuProcess:
     gpu: int
     mig: int | None
     memory: int  # bytes
-    kind: str  # training, inference, notebook (idle), batch, breach, host
+    kind: str  # training, inference, notebook (idle), batch, breach, host, ghost (its process is dead)
 
 
 @dataclass
@@ -95,6 +101,7 @@ class Session:
     processes: list[GpuProcess] = field(default_factory=list)
     running: bool = False  # its container runs
     planted: str = ""  # the role it plays in a planted event
+    fill: float | None = None  # of its share's memory its processes use; None: its kind's usual
 
 
 #: Prometheus' scrape and evaluation interval in deploy/prometheus/prometheus.yml, seconds.
@@ -121,6 +128,8 @@ SETTLE_S = 5.0
 SHIPPED_RULES: dict[str, RuleTiming] = {
     "GpuAllocIsolationBreach": RuleTiming(for_s=120, interval_s=60),  # group gpu-alloc-kernels
     "GpuAllocGpuLost": RuleTiming(for_s=60),
+    "GpuAllocDeviceNeedsReset": RuleTiming(for_s=0),  # latched: fires at once, resolves with the reset
+    "GpuAllocGhostMemory": RuleTiming(for_s=120),
     # A critical XID counts as recent for global:gpu_alloc_xid_recent_seconds:threshold.
     "GpuAllocXidCritical": RuleTiming(for_s=0, event_age_s=1800),
     "GpuAllocSessionsOnUnhealthyGpu": RuleTiming(for_s=0, event_age_s=1800),
@@ -190,6 +199,7 @@ class LivingNode:
         self.machine.max_event_wait_ms = 1000  # XID waits wake on an event; no need to poll fast
         self.sessions: dict[str, Session] = {}
         self.host_processes: list[GpuProcess] = []
+        self._ghosts: list[GpuProcess] = []  # contexts of processes that died, which the driver keeps
         self._pids = itertools.count(self._rng.randrange(180_000, 240_000), 7)
         self._users = [str(uuid.UUID(int=self._rng.getrandbits(128), version=4)) for _ in range(5)]
         self._queue: list[tuple[float, int, str, Callable[[], None]]] = []
@@ -321,13 +331,21 @@ class LivingNode:
     def _populate(self) -> None:
         """Sessions already running when the demo starts, and the schedule of planted events."""
         run = self._launch
-        trainer = run("training", {SHARES: Decimal(16)}, cuda_mem=True, instant=True, planted="uses 97% of its cuda.mem")
+        # Memory pressure as a current node shows it: no plugin writes cuda.mem any more, so a
+        # kernel's memory limit is its shares' (CUDA_MEMORY_LIMITS, amount x unit_mem), and its
+        # processes fill nearly all of it.
+        trainer = run("training", {SHARES: Decimal(16)}, instant=True, fill=0.97)
+        per_gpu = max(Decimal(str(a)) for a in trainer.allocations[SHARES].values())
+        trainer.planted = (f"memory pressure: its processes use 97% of the {_gib(per_gpu * UNIT_MEM)} GiB its {per_gpu.normalize():f} shares "
+                           "hold on each GPU (CUDA_MEMORY_LIMITS); see gpu_alloc_kernel_memory_used_bytes")
         run("training", {SHARES: Decimal(4)}, instant=True)
         bursty = run("inference", {SHARES: Decimal("2.5")}, instant=True)
-        run("notebook", {SHARES: Decimal(1)}, cuda_mem=True, instant=True)
+        run("notebook", {SHARES: Decimal(1)}, instant=True)
         run("notebook", {SHARES: Decimal("0.5")}, instant=True)
         run("idle-start", {SHARES: Decimal(2)}, instant=True)
         run("batch", {SHARES: Decimal(6)}, instant=True)
+        ghost_at = 150.0  # demo seconds
+        ghosted = run("training", {SHARES: Decimal(10)}, instant=True, planted=f"ends at {_mmss(ghost_at)} leaving ghost memory")
         for profile in ("3g.20gb", "1g.5gb", "1g.5gb", "1g.5gb"):
             run("mig", {f"cuda.device:{profile}-mig": Decimal(1)}, instant=True)
         run("cpu", {}, instant=True)
@@ -357,13 +375,17 @@ class LivingNode:
         self._plant(45, "the agent stops half-way through writing a new kernel's resource.txt "
                         "(pending, then stale after --stale.grace)", self._half_written)
         self._plant(50, f"5 more corrected ECC errors on GPU {ecc_gpu}", lambda: self._ecc(ecc_gpu, 5))
-        self._fault(60, f"GPU {lost} falls off the bus (XID 79); its processes die", lambda: self._fall_off(lost),
-                    alerts=[(xid, lost), (blast, lost), ("GpuAllocGpuLost", lost)],
-                    end=(180, f"GPU {lost} is back after a reset", lambda: self._recover(lost)))
-        self._fault(75, f"a memory row of GPU {remap_gpu} is remapped, pending a GPU reset (XID 63)",
+        latched = "GpuAllocDeviceNeedsReset"
+        self._fault(60, f"GPU {lost} falls off the bus (XID 79); its processes die; the exporter holds it lost until a reset",
+                    lambda: self._fall_off(lost), alerts=[(xid, lost), (blast, lost), ("GpuAllocGpuLost", lost), (latched, lost)],
+                    end=(180, f"GPU {lost} is reset (nvidia-smi -r -i {lost}) and answers again: its energy counter restarts, "
+                              "which the exporter takes for the reset that clears lost", lambda: self._reset(lost)))
+        self._fault(75, f"a memory row of GPU {remap_gpu} is remapped, pending a GPU reset (XID 63); the exporter holds it "
+                        "needs_reset until a reset",
                     lambda: self._remap(remap_gpu), alerts=[(xid, remap_gpu), (blast, remap_gpu),
-                            ("GpuAllocGpuResetPending", remap_gpu)],
-                    end=(None, f"GPU {remap_gpu} is reset in a maintenance window: the remapped row takes effect",
+                            ("GpuAllocGpuResetPending", remap_gpu), (latched, remap_gpu)],
+                    end=(None, f"GPU {remap_gpu} is reset in a maintenance window (nvidia-smi -r -i {remap_gpu}, its processes "
+                               "killed first): the remapped row takes effect and the exporter clears needs_reset",
                          lambda: self._reset(remap_gpu)))
         self._fault(90, f"GPU {hot_gpu} overheats: sw_thermal_slowdown holds its clocks down",
                     lambda: self._throttle(hot_gpu, True), alerts=[("GpuAllocThermalThrottling", hot_gpu)],
@@ -371,7 +393,18 @@ class LivingNode:
         self._plant(120, f"the container of kernel {stale.kernel_id} is removed out of band (docker rm -f); "
                          "its scratch directory stays behind: a stale kernel",
                     lambda: self._remove_out_of_band(stale))
-        self._fault(195, "a hyper-parameter sweep fills every GPU but a sliver, and refills what others free: enough "
+        ghost_gpu = self._gpus_of(ghosted)[0]
+        ghost_bytes = sum(p.memory for p in ghosted.processes)
+        usable = usable_capacity(self._capacity[ghost_gpu], self.machine.gpus[ghost_gpu].memory_total,
+                                 self.machine.gpus[ghost_gpu].memory_reserved + ghost_bytes, CapacityConfig())
+        self._fault(ghost_at, f"session {ghosted.session_id} ends: the agent removes kernel {ghosted.kernel_id}'s container and "
+                         f"scratch directory, but the CUDA context of its dead process stays: NVML keeps listing "
+                         f"{_gib(ghost_bytes)} GiB on GPU {ghost_gpu} for it (ghost memory; GPU {ghost_gpu} can hand out "
+                         f"{usable} of its {self._capacity[ghost_gpu]} shares until it is freed)",
+                    lambda: self._end_leaving_ghost(ghosted), alerts=[("GpuAllocGhostMemory", ghost_gpu)],
+                    end=(450, f"the dead process's context on GPU {ghost_gpu} is torn down at last: its memory is free again",
+                         self._free_ghosts))
+        self._fault(465, "a hyper-parameter sweep fills every GPU but a sliver, and refills what others free: enough "
                          "fGPU free in total, too little on any one GPU (stranded)", self._sweep,
                     alerts=[("GpuAllocNodeFragmented", None)], end=(None, "the sweep ends", self._end_sweep))
 
@@ -410,10 +443,11 @@ class LivingNode:
             lines.append(f"sessions ({len(self.sessions)}):")
             for s in self.sessions.values():
                 what = "; ".join(f"{slot} " + ", ".join(f"{self._short(d)}:{a}" for d, a in per.items())
-                                 for slot, per in s.allocations.items() if slot != "cuda.mem") or "CPU only"
+                                 for slot, per in s.allocations.items()) or "CPU only"
                 lines.append(f"  {s.kernel_id} {s.kind:<10} {what}" + (f" ({s.planted})" if s.planted else ""))
             for p in self.host_processes:
-                lines.append(f"  host process {p.pid} on GPU {p.gpu}, outside any container")
+                lines.append(f"  host process {p.pid} on GPU {p.gpu}, outside any container (unattributed: its memory counts "
+                             "as ghost memory while it runs)")
             lines.append(f"new sessions arrive about every {_ARRIVAL_MEAN:g}s and leave after 1.5-5 minutes; planned:")
             lines.append(f"  (alerts: by when the shipped rules fire and resolve them, with Prometheus scraping and evaluating "
                          f"every {EVALUATION_INTERVAL_S:g} s as deploy/prometheus/prometheus.yml does")
@@ -450,8 +484,8 @@ class LivingNode:
             ids = [(self.device_id(g, m), Decimal(1)) for g, m, s in self._mig_devices() if s == slot]
         return [DeviceFree(d, cap, held.get(d, Decimal(0))) for d, cap in ids]
 
-    def _launch(self, kind: str, request: dict[str, Decimal], *, cuda_mem: bool = False, instant: bool = False,
-                duration: float | None = None, planted: str = "", half_written: bool = False) -> Session | None:
+    def _launch(self, kind: str, request: dict[str, Decimal], *, instant: bool = False, duration: float | None = None,
+                planted: str = "", fill: float | None = None, half_written: bool = False) -> Session | None:
         """A session arrives: placed by EVENLY on what live kernels leave free, or rejected (logged).
 
         ``instant``: already running when the demo starts. ``half_written``: the agent stops after
@@ -464,8 +498,6 @@ class LivingNode:
                 log.info("demo: a %s session asking %s=%s is rejected (%s: %s)", kind, slot, amount, result.reason, result.detail)
                 return None
             allocations[slot] = dict(result.amounts)
-        if cuda_mem and SHARES in allocations:
-            allocations["cuda.mem"] = {d: _size(Decimal(str(a)) * UNIT_MEM) for d, a in allocations[SHARES].items()}
         rng = self._rng
         cpus = sorted(rng.sample(range(256), {"cpu": 8, "training": 16, "batch": 8}.get(kind, 4)))
         session = Session(
@@ -474,7 +506,7 @@ class LivingNode:
             owner=rng.choice(self._users) if kind != "batch" else None,
             kind=kind, allocations=allocations, container_id=f"{rng.getrandbits(256):064x}",
             cpus=cpus, mem={"training": "64g", "batch": "32g", "cpu": "16g"}.get(kind, "8g"),
-            started=self.now(), ends=None if duration is None else self.now() + duration, planted=planted,
+            started=self.now(), ends=None if duration is None else self.now() + duration, planted=planted, fill=fill,
         )
         self.sessions[session.kernel_id] = session
         if half_written:
@@ -533,9 +565,7 @@ class LivingNode:
         kdir = self.scratch / s.kernel_id
         init = next(self._pids)
         self.host.spawn(init, "tini", started=self.now(), container_id=s.container_id, scratch_dir=kdir, ppid=1187)
-        for slot, per_device in s.allocations.items():
-            if slot == "cuda.mem":
-                continue
+        for per_device in s.allocations.values():
             for device, amount in per_device.items():
                 gpu, mig = self._locate(device)
                 if gpu in self._lost:
@@ -544,8 +574,9 @@ class LivingNode:
                     gi = next(gi for gi, ci in self.machine.gpus[gpu].cis() if ci.mig_index == mig)
                     memory = int(gi.spec.memory_mib * MIB * self._rng.uniform(0.3, 0.8))
                 else:
-                    fill = {"training": 0.97 if s.planted else 0.85, "inference": 0.55, "notebook": 0.3, "batch": 0.7}[s.kind]
-                    memory = int(Decimal(str(amount)) * UNIT_MEM * Decimal(fill))
+                    # Of the memory the share holds: the plugin's limit, CUDA_MEMORY_LIMITS (amount x unit_mem).
+                    fill = s.fill or {"training": 0.85, "inference": 0.55, "notebook": 0.3, "batch": 0.7}[s.kind]
+                    memory = int(Decimal(str(amount)) * UNIT_MEM * Decimal(str(fill)))
                 pid = next(self._pids)
                 self.host.spawn(pid, _COMMANDS.get(s.kind, "python3"), started=self.now(), container_id=s.container_id,
                                 scratch_dir=kdir, ppid=init)
@@ -596,11 +627,11 @@ class LivingNode:
             s = self._launch("mig", {slot: Decimal(1)}, duration=duration)
         else:
             amount = Decimal(rng.choice(["0.5", "1", "1.5", "2", "2.5", "3", "4", "8"]))
-            s = self._launch(kind, {SHARES: amount}, cuda_mem=rng.random() < 0.3, duration=duration)
+            s = self._launch(kind, {SHARES: amount}, duration=duration)
         if s is not None:
             log.info("demo: session %s (%s) arrives: %s", s.kernel_id, kind,
                      "; ".join(f"{slot} " + ", ".join(f"{self._short(d)}:{a}" for d, a in per.items())
-                               for slot, per in s.allocations.items() if slot != "cuda.mem"))
+                               for slot, per in s.allocations.items()))
         self._arrive_later(rng.expovariate(1 / _ARRIVAL_MEAN))
 
     # -- processes and device load ------------------------------------------------------------
@@ -625,7 +656,8 @@ class LivingNode:
         return min(candidates, key=lambda i: (load[i], i))
 
     def _all_processes(self) -> list[GpuProcess]:
-        return [p for s in self.sessions.values() for p in s.processes] + self.host_processes
+        """What NVML lists: the sessions' processes, the host's, and dead ones whose contexts stay."""
+        return [p for s in self.sessions.values() for p in s.processes] + self.host_processes + self._ghosts
 
     def _sync_processes(self) -> None:
         """NVML's process lists from the processes that run now."""
@@ -698,9 +730,14 @@ class LivingNode:
         self.machine.push_xid(gpu, 63)
 
     def _reset(self, gpu: int) -> None:
-        """A GPU reset applies its pending row remap."""
-        correctable, uncorrectable, _, failure = self.machine.gpus[gpu].remapped_rows or (0, 0, 0, 0)
-        self.machine.update(gpu, remapped_rows=(correctable, uncorrectable, 0, failure))
+        """``nvidia-smi -r``: it needs the GPU idle, so its processes are killed first; then the GPU
+        answers again, a pending row remap takes effect and its energy counter restarts (the sign
+        of a reset the exporter's latched health waits for)."""
+        self._kill_processes(gpu)
+        self._lost.discard(gpu)
+        self.machine.reset(gpu)
+        self._sync_processes()
+        self._animate()
 
     def _throttle(self, gpu: int, on: bool) -> None:
         (self._throttled.add if on else self._throttled.discard)(gpu)
@@ -710,18 +747,30 @@ class LivingNode:
         self.machine.push_xid(gpu, 79)
         self.machine.lose(gpu)
         self._lost.add(gpu)
-        for s in self.sessions.values():  # CUDA calls fail: the processes on it die
+        self._kill_processes(gpu)  # CUDA calls fail: the processes on it die
+        self._sync_processes()
+
+    def _kill_processes(self, gpu: int) -> None:
+        """Every process on GPU ``gpu`` exits (its sessions stay); a ghost context there goes too."""
+        for s in self.sessions.values():
             for p in [p for p in s.processes if p.gpu == gpu]:
                 s.processes.remove(p)
                 self.host.exit(p.pid)
         for p in [p for p in self.host_processes if p.gpu == gpu]:
             self.host_processes.remove(p)
             self.host.exit(p.pid)
-        self._sync_processes()
+        self._ghosts = [p for p in self._ghosts if p.gpu != gpu]
 
-    def _recover(self, gpu: int) -> None:
-        self._lost.discard(gpu)
-        self.machine.recover(gpu)
+    def _end_leaving_ghost(self, s: Session) -> None:
+        """The session ends as usual, but the driver keeps its whole-GPU processes' contexts: NVML
+        lists their memory for PIDs that no longer exist."""
+        if s.kernel_id not in self.sessions:
+            return
+        self._ghosts += [dataclasses.replace(p, kind="ghost") for p in s.processes if p.mig is None and p.gpu not in self._lost]
+        self._terminate(s)
+
+    def _free_ghosts(self) -> None:
+        self._ghosts.clear()
         self._sync_processes()
         self._animate()
 
@@ -775,10 +824,9 @@ def _sm_percent(p: GpuProcess, t: float) -> int:
     return 0  # a notebook holding memory between cells
 
 
-def _size(nbytes: Decimal) -> str:
-    """A BinarySize as the agent writes it (``10.12g``)."""
-    gib = nbytes / GIB
-    return f"{gib:.2f}".rstrip("0").rstrip(".") + "g"
+def _gib(nbytes: float) -> str:
+    """Bytes in GiB as the demo prints them (``16``, ``16.5``)."""
+    return f"{nbytes / GIB:.1f}".removesuffix(".0")
 
 
 def _mmss(seconds: float) -> str:

@@ -1,15 +1,21 @@
 """Families for GPU accounting (:mod:`exporter.analysis.accounting`): the share of each physical
 GPU a kernel holds, each kernel's measured use normalised by what it holds, and the chargeback
 counters. Identity is never copied here: join ``gpu_alloc_kernel_identity_info`` on ``kernel_id``.
-Sample output::
+The ledger's counters (per kernel, per GPU, per user and project) are described in
+:mod:`exporter.analysis.accounting`. Sample output::
 
     gpu_alloc_kernel_gpu_share_ratio{device_id="GPU-5d2c…",kernel_id="0b3f…"} 0.037
     gpu_alloc_kernel_measured_utilization_ratio{kernel_id="0b3f…"} 0.3
     gpu_alloc_kernel_allocated_gpu_seconds_total{device_id="GPU-5d2c…",kernel_id="0b3f…"} 13.3
+    gpu_alloc_kernel_busy_gpu_seconds_total{device_id="GPU-5d2c…",kernel_id="0b3f…"} 4.1
+    gpu_alloc_kernel_energy_joules_total{device_id="GPU-5d2c…",kernel_id="0b3f…"} 5210.0
+    gpu_alloc_device_unallocated_gpu_seconds_total{device_id="GPU-5d2c…"} 861.2
+    gpu_alloc_user_energy_joules_total{project_id="undefined",user_id="f38dea23-…"} 15630.0
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from exporter.analysis.model import Accounting
@@ -59,20 +65,81 @@ def accounting_families(result: Accounting | None) -> list[Metric]:
             memory.add_metric([kernel_id], use.memory_ratio)
     allocated = counter(
         "gpu_alloc_kernel_allocated_gpu_seconds",
-        "GPU share held by a kernel, integrated over time (share-seconds; /3600 for GPU-hours); "
-        "integrated in the background at every telemetry sample, reset only when the exporter restarts",
+        "GPU share held by a kernel, integrated over time (GPU-seconds; /3600 for GPU-hours; on an overcommitted GPU "
+        "each share over the sum of its shares); integrated in the background at every telemetry sample, "
+        "reset only when the exporter restarts",
         _PAIR,
     )
     for (kernel_id, gpu), value in sorted(result.allocated_seconds.items()):
         allocated.add_metric([gpu, kernel_id], value)
-    used = counter(
-        "gpu_alloc_kernel_used_gpu_seconds",
-        "GPU share held times measured utilisation, integrated over time (share-seconds) while the kernel's use is measured",
-        _PAIR,
-    )
-    for (kernel_id, gpu), value in sorted(result.used_seconds.items()):
-        used.add_metric([gpu, kernel_id], value)
-    return [share, util, memory, allocated, used]
+    families = [share, util, memory, allocated]
+    for name, doc, values in _pair_counters(result):
+        family = counter(name, doc, _PAIR)
+        for (kernel_id, gpu), value in sorted(values.items()):
+            family.add_metric([gpu, kernel_id], value)
+        families.append(family)
+    for name, doc, values in _device_counters(result):
+        family = counter(name, doc, ["device_id"])
+        for gpu, value in sorted(values.items()):
+            family.add_metric([gpu], value)
+        families.append(family)
+    measured = gauge(_MEASURED[0], _MEASURED[1], ["device_id"])
+    for gpu, flag in sorted(result.measured.items()):
+        measured.add_metric([gpu], 1.0 if flag else 0.0)
+    families.append(measured)
+    for name, doc, values in _owner_counters(result):
+        family = counter(name, doc, _OWNER)
+        for owner, value in sorted(values.items()):
+            family.add_metric(list(owner), value)
+        families.append(family)
+    return families
+
+
+# The ledger's families (docs/metrics.md, "GPU ledger"): name without _total, help, values.
+_OWNER = ["user_id", "project_id"]
+_MEASURED = ("gpu_alloc_device_busy_measured",
+             "1 where the last sample measured the busy time of the GPU's processes, else 0 "
+             "(its kernels then have no busy sample, never 0)")
+
+
+def _pair_counters(result: Accounting) -> list[tuple[str, str, Mapping]]:
+    return [
+        ("gpu_alloc_kernel_busy_gpu_seconds",
+         "Busy seconds of the kernel's processes (the driver's cumulative per-process counters) times the share it holds, "
+         "at most what it held (processes busy together beyond the interval are charged the share); absent where not measurable",
+         result.busy_seconds),
+        ("gpu_alloc_kernel_energy_joules",
+         "The GPU's energy charged to the kernel, split per --accounting.energy-split; absent where the GPU's energy "
+         "counter cannot be read", result.energy_joules),
+    ]
+
+
+def _device_counters(result: Accounting) -> list[tuple[str, str, Mapping]]:
+    return [
+        ("gpu_alloc_device_allocated_gpu_seconds",
+         "Sum of the kernels' allocated GPU-seconds on the GPU, kept when they end", result.device_allocated_seconds),
+        ("gpu_alloc_device_unallocated_gpu_seconds",
+         "GPU-seconds of the GPU that no kernel held; allocated + unallocated = seconds the GPU was known",
+         result.device_unallocated_seconds),
+        ("gpu_alloc_device_busy_gpu_seconds",
+         "Sum of the kernels' busy GPU-seconds on the GPU, kept when they end", result.device_busy_seconds),
+        ("gpu_alloc_device_attributed_energy_joules",
+         "Sum of the kernels' joules on the GPU, kept when they end", result.device_energy_joules),
+        ("gpu_alloc_device_unattributed_energy_joules",
+         "The GPU's joules charged to no kernel; attributed + unattributed = the energy counter's increase "
+         "since the exporter first read it", result.device_unattributed_joules),
+    ]
+
+
+def _owner_counters(result: Accounting) -> list[tuple[str, str, Mapping]]:
+    return [
+        ("gpu_alloc_user_allocated_gpu_seconds",
+         "Allocated GPU-seconds of the kernels of a user and project (Backend.AI's ids, undefined where unknown), "
+         "kept while kernels come and go", result.owner_allocated_seconds),
+        ("gpu_alloc_user_busy_gpu_seconds", "Busy GPU-seconds of the kernels of a user and project",
+         result.owner_busy_seconds),
+        ("gpu_alloc_user_energy_joules", "Joules charged to the kernels of a user and project", result.owner_energy_joules),
+    ]
 
 
 def accounting_health(result: Accounting | None) -> Health:
@@ -95,6 +162,7 @@ class AccountingText:
         self._pairs: dict[tuple[str, str], str] = {}  # (kernel_id, GPU) -> '{device_id="…",kernel_id="…"}'
         self._order: list[tuple[str, str]] = []
         self._kernels: dict[str, str] = {}  # kernel_id -> '{kernel_id="…"}'
+        self._labels: dict[tuple[str, ...], str] = {}  # a GPU's or an owner's label text (a few dozen)
         self._heads: list[bytes] | None = None
 
     def render(self, result: Accounting | None) -> bytes:
@@ -105,30 +173,57 @@ class AccountingText:
 
             self._heads = [render_families([family]) for family in accounting_families(Accounting())]
         fmt = float_format()
-        share_h, util_h, memory_h, allocated_h, used_h = (h.decode() for h in self._heads)
-        names = [line.split(" ", 3)[2] for line in (share_h, util_h, memory_h, allocated_h, used_h)]
+        heads = [h.decode() for h in self._heads]
+        names = [line.split(" ", 3)[2] for line in heads]
         pairs, order = self._pair_labels(result)
-        out = [share_h]
+        out = [heads[0]]
         shares = result.shares
         out += [f"{names[0]}{pairs[key]} {fmt(shares[key])}\n" for key in order if key in shares]
         measured = sorted((k, use) for k, use in result.kernels.items()
                           if use.utilization_ratio is not None or use.memory_ratio is not None)
-        out.append(util_h)
+        out.append(heads[1])
         out += [f"{names[1]}{self._kernel_labels(k)} {fmt(use.utilization_ratio)}\n"
                 for k, use in measured if use.utilization_ratio is not None]
-        out.append(memory_h)
+        out.append(heads[2])
         out += [f"{names[2]}{self._kernel_labels(k)} {fmt(use.memory_ratio)}\n"
                 for k, use in measured if use.memory_ratio is not None]
-        for head, name, counters in ((allocated_h, names[3], result.allocated_seconds), (used_h, names[4], result.used_seconds)):
-            out.append(head)
+        per_pair = [result.allocated_seconds] + [values for _, _, values in _pair_counters(result)]
+        i = 3
+        for counters in per_pair:
+            out.append(heads[i])
             values = dict(counters.items())
-            out += [f"{name}{pairs[key]} {fmt(values[key])}\n" for key in order if key in values]
+            if values:
+                out += [f"{names[i]}{pairs[key]} {fmt(values[key])}\n" for key in order if key in values]
+            i += 1
+        for _, _, values in _device_counters(result):
+            out.append(heads[i])
+            out += [f"{names[i]}{self._label(('device_id',), (gpu,))} {fmt(v)}\n" for gpu, v in sorted(values.items())]
+            i += 1
+        out.append(heads[i])
+        out += [f"{names[i]}{self._label(('device_id',), (gpu,))} {fmt(1.0 if flag else 0.0)}\n"
+                for gpu, flag in sorted(result.measured.items())]
+        i += 1
+        for _, _, values in _owner_counters(result):
+            out.append(heads[i])
+            out += [f"{names[i]}{self._label(_OWNER, owner)} {fmt(v)}\n" for owner, v in sorted(values.items())]
+            i += 1
         return "".join(out).encode()
+
+    def _label(self, names: tuple[str, ...] | list[str], values: tuple[str, ...]) -> str:
+        key = (*names, *values)
+        text = self._labels.get(key)
+        if text is None:
+            if len(self._labels) > 4096:  # owners accumulate over the process's life: stay bounded
+                self._labels.clear()
+            # Label names in sorted order, as the exposition writes them.
+            inner = ",".join(f'{n}="{escape_label(v)}"' for n, v in sorted(zip(names, values, strict=True)))
+            text = self._labels[key] = f"{{{inner}}}"
+        return text
 
     def _pair_labels(self, result: Accounting) -> tuple[dict[tuple[str, str], str], list[tuple[str, str]]]:
         """Each pair's label text, and every pair in the exposition's order (kernel, then GPU:
         the order of sorting the families' keys), both kept while the pairs are the same."""
-        keys = result.shares.keys() | result.allocated_seconds.keys() | result.used_seconds.keys()
+        keys = result.shares.keys() | result.allocated_seconds.keys() | result.busy_seconds.keys() | result.energy_joules.keys()
         if keys != self._pairs.keys():  # kernels came or went: drop the others' labels, add the new ones
             self._pairs = {key: self._pairs.get(key) or f'{{device_id="{escape_label(key[1])}",kernel_id="{escape_label(key[0])}"}}'
                            for key in keys}

@@ -10,8 +10,11 @@ would pick, and whether that pick fails) is PromQL over these series in
     gpu_alloc_shape_request{shape="fgpu-4",slot="cuda.shares"} 4
     gpu_alloc_node_request_placeable{fragmentation="disallowed",shape="fgpu-4"} 0
     gpu_alloc_node_request_refused{fragmentation="disallowed",reason="fragmented",shape="fgpu-4"} 1
+    gpu_alloc_node_hami_score{slot="cuda.shares"} 6.25
 
-Explained, with PromQL, in ``docs/headroom.md`` (*Where will a session start?*).
+The HAMi node score (10 × the core and memory used ratios of the slot's devices, 0 to 20) lets a
+fleet table rank where HAMi's ``binpack`` (highest first) or ``spread`` (lowest first) node policy
+would send a request among the nodes that place it. Explained, with PromQL, in ``docs/headroom.md`` (*Where will a session start?*).
 """
 
 from __future__ import annotations
@@ -53,6 +56,14 @@ def fleet_families(model: Analysis) -> list[Metric]:
         "stale_allocation); absent while it would place it",
         ["shape", "fragmentation", "reason"],
     )
+    hami = gauge(
+        "gpu_alloc_node_hami_score",
+        "HAMi's node score of a slot's devices before a request: 10 x (core used ratio + memory used ratio), "
+        "0 to 20; HAMi's binpack node policy prefers the highest, spread the lowest (docs/headroom.md)",
+        ["slot"],
+    )
+    for slot, score in sorted(figures.hami_scores.items()):
+        hami.add_metric([slot], float(score))
     for slot, left in sorted(figures.remaining.items()):
         remaining.add_metric([slot], float(left))
     for shape in figures.shapes:
@@ -62,7 +73,7 @@ def fleet_families(model: Analysis) -> list[Metric]:
         placeable.add_metric([v.shape, v.fragmentation], int(v.placeable))
         if v.reason is not None:
             refused.add_metric([v.shape, v.fragmentation, v.reason], 1)
-    return [remaining, request, placeable, refused]
+    return [remaining, request, placeable, refused, hami]
 
 
 @register("fleet", "remaining slot totals and whether request shapes would be placed (fleet what-if)", order=45)

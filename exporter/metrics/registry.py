@@ -9,10 +9,16 @@ exactly one ``gpu_alloc_collector_success``, ``_duration_seconds`` and ``_last_s
 sample per part, under a ``collector`` name fixed when the registry is built. A part that raises is
 logged, shows ``success 0`` and contributes no series of its own (its last good output is dropped,
 not served stale); it is never cached, so the next scrape tries it again.
+
+Two formats: text format 0.0.4 for every scraper that does not ask otherwise, and OpenMetrics 1.0
+(:func:`~exporter.metrics.text.openmetrics_text`) made from each part's cached text the first
+time a scraper asks for it after the part changed, so that a fleet of text scrapers never pays
+for it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import logging
 import threading
@@ -26,7 +32,7 @@ from prometheus_client.registry import Collector
 
 from exporter.metrics.collectors import Part
 from exporter.metrics.status import Health, PartStatus, status_families
-from exporter.metrics.text import gzip_member
+from exporter.metrics.text import OPENMETRICS_EOF, CreatedTimes, gzip_member, openmetrics_text
 
 __all__ = ["ExporterCollector", "merge", "render_families"]
 
@@ -46,14 +52,32 @@ def merge(families: Iterable[Metric]) -> list[Metric]:
 
 @dataclass(frozen=True, slots=True)
 class _Cached:
+    """One render of a part: its text format 0.0.4 and, once asked for, its OpenMetrics form
+    (``om_*``), each kept as plain text and gzip member, or as the member alone."""
+
     token: Hashable
     text: bytes | None  # None for a part that gives a gzip member (Part.gzipped)
     gzipped: bytes | None  # else computed on the first gzip request
     duration_seconds: float  # the render that produced the text
     rendered_at: float  # unix time of that render: the part's last successful run
+    # The OpenMetrics form, made from the text on the first request for it; a gzipped part keeps
+    # only its gzip member (om_text None), as it does for the text.
+    om_text: bytes | None = None
+    om_gzipped: bytes | None = None
 
-    def plain(self) -> bytes:
-        return self.text if self.text is not None else gzip.decompress(self.gzipped)
+    def plain(self, openmetrics: bool = False) -> bytes:
+        text, member = (self.om_text, self.om_gzipped) if openmetrics else (self.text, self.gzipped)
+        return text if text is not None else gzip.decompress(member)
+
+    def held(self, openmetrics: bool, gzipped: bool) -> bytes | None:
+        """The bytes of one form in one encoding if they are kept, else None."""
+        if openmetrics:
+            return self.om_gzipped if gzipped else self.om_text
+        return self.gzipped if gzipped else self.text
+
+    def has(self, openmetrics: bool) -> bool:
+        """Whether the form is made (in either encoding)."""
+        return not openmetrics or self.om_text is not None or self.om_gzipped is not None
 
     @property
     def source(self) -> bytes:
@@ -65,7 +89,8 @@ class _Cached:
 @dataclass(frozen=True, slots=True)
 class _Body:
     """One exposition body and what it was joined from: each part's :attr:`_Cached.source` (None
-    for a part that failed) and every status row."""
+    for a part that failed) and every status row (the same for both formats: the OpenMetrics form
+    of a part is made from its text)."""
 
     sources: tuple[bytes | None, ...]
     rows: tuple[PartStatus, ...]
@@ -98,20 +123,24 @@ class ExporterCollector(Collector):
 
     Parts are independent, so adding one (telemetry, headroom, attribution) never touches this
     class. :meth:`render` renders each part only when its token changed and serves the rest from
-    cached text (plain and gzip, or gzip alone: :attr:`Part.gzipped`): at 10,000 kernels the per-kernel families are ~20,000 samples,
-    ~150 ms to render, and they change only with the scratch tree, not every telemetry sample.
+    cached text (plain and gzip, or gzip alone: :attr:`Part.gzipped`): the per-kernel families
+    are most of the exposition and of its render time, and they change only with the scratch
+    tree, not every telemetry sample.
 
-    The body of each encoding is joined once per render and then handed out as that same bytes
-    object to every scrape until a part or a status row changes (then it is dropped): a scrape
-    costs no copy of the exposition, however many clients are still being sent it (2.2 MB plain
-    at 5,000 kernels), and a plain scrape decompresses a gzip-only part once per render, not once
-    per request.
+    The body of each format and encoding is joined once per render and then handed out as that
+    same bytes object to every scrape until a part or a status row changes (then it is dropped):
+    a scrape costs no copy of the exposition, however many clients are still being sent it, and
+    a plain scrape decompresses a gzip-only part once per render, not once per request.
 
     :param parts: the parts, in exposition order; their names are the ``collector`` label values.
     :param clock: unix time, for the last-success timestamp of parts that report none themselves.
+    :param openmetrics_created: write ``_created`` after the counter samples of the OpenMetrics
+        form whose start is known (:class:`~exporter.metrics.text.CreatedTimes`). Off by default:
+        Prometheus 2.42 and VictoriaMetrics store each as a series of its own.
     """
 
-    def __init__(self, parts: Iterable[Part], clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, parts: Iterable[Part], clock: Callable[[], float] = time.time, *,
+                 openmetrics_created: bool = False) -> None:
         self._parts = list(parts)
         names = [p.name for p in self._parts]
         if len(set(names)) != len(names):
@@ -119,7 +148,8 @@ class ExporterCollector(Collector):
         self._clock = clock
         self._lock = threading.Lock()
         self._cache: dict[str, _Cached] = {}
-        self._bodies: dict[bool, _Body] = {}  # gzipped -> the body of the current render in that encoding
+        self._bodies: dict[tuple[bool, bool], _Body] = {}  # (openmetrics, gzipped) -> the current render's body
+        self._created: dict[str, CreatedTimes] | None = {} if openmetrics_created else None  # part name -> its counters
         self._last_success: dict[str, float] = {}
         self._failing: set[str] = set()
 
@@ -139,20 +169,21 @@ class ExporterCollector(Collector):
             rows.append(self._row(part, health.success, time.perf_counter() - start, health, self._clock()))
         return merge([*families, *status_families(rows)])
 
-    def render(self, gzipped: bool = False) -> bytes:
-        """The exposition in text format 0.0.4 (gzip members concatenated when ``gzipped``)."""
+    def render(self, gzipped: bool = False, openmetrics: bool = False) -> bytes:
+        """The exposition in text format 0.0.4, or in OpenMetrics 1.0 (gzip members concatenated
+        when ``gzipped``)."""
         with self._lock:
-            body = self._render(gzipped)
+            body = self._render(gzipped, openmetrics=openmetrics)
         assert body is not None  # it may decompress
         return body
 
-    def render_cached(self, gzipped: bool = False) -> bytes | None:
-        """:meth:`render`'s bytes when every part's text in that encoding is current, else None,
-        never waiting: None also while a render runs. What the serving loop calls; a None sends
-        the request to a thread that renders. The body of an unchanged render is handed out as
-        is (well under 1 ms); after a change it is joined once (~1 ms at 10,000 kernels), except
-        a plain body that needs a gzip-only part decompressed (~15 ms): that is left to the
-        render thread."""
+    def render_cached(self, gzipped: bool = False, openmetrics: bool = False) -> bytes | None:
+        """:meth:`render`'s bytes when every part's text in that format and encoding is current,
+        else None, never waiting: None also while a render runs. What the serving loop calls; a
+        None sends the request to a thread that renders. The body of an unchanged render is
+        handed out as is; after a change it is joined once here, a copy of bytes at hand. What
+        takes longer is left to the render thread: a plain body that needs a gzip-only part
+        decompressed, and a part's OpenMetrics form not made yet."""
         if not self._lock.acquire(blocking=False):
             return None
         try:
@@ -160,25 +191,27 @@ class ExporterCollector(Collector):
                 cached = self._cache.get(part.name)
                 if cached is None or cached.token != part.token():
                     return None
-                if (cached.gzipped if gzipped else cached.source) is None:
+                if not cached.has(openmetrics) or (gzipped and cached.held(openmetrics, True) is None):
                     return None
-            return self._render(gzipped, decompress=gzipped)
+            return self._render(gzipped, decompress=gzipped, openmetrics=openmetrics)
         except Exception:  # a part's token failed: the render records it as the part's failure
             return None
         finally:
             self._lock.release()
 
-    def _render(self, gzipped: bool, decompress: bool = True) -> bytes | None:
-        """The body in one encoding; None if it would have to decompress a part and may not."""
+    def _render(self, gzipped: bool, decompress: bool = True, openmetrics: bool = False) -> bytes | None:
+        """The body in one format and encoding; None if it would have to decompress a part and may not."""
         cached_parts: list[_Cached | None] = []
         rows: list[PartStatus] = []
         for part in self._parts:
             start = time.perf_counter()
             try:
                 cached = self._current(part)
-                if gzipped and cached.gzipped is None:
-                    cached = _Cached(cached.token, cached.text, gzip_member(cached.text),
-                                     cached.duration_seconds, cached.rendered_at)
+                if openmetrics and not cached.has(True):
+                    cached = self._openmetrics(part, cached)
+                if gzipped and cached.held(openmetrics, True) is None:
+                    member = gzip_member(cached.plain(openmetrics))
+                    cached = dataclasses.replace(cached, **{"om_gzipped" if openmetrics else "gzipped": member})
                     self._cache[part.name] = cached
                 health = self._health(part)
             except Exception:
@@ -193,18 +226,30 @@ class ExporterCollector(Collector):
         for encoding, known in list(self._bodies.items()):
             if not known.joins(sources, rows):  # the render changed: release the old body
                 del self._bodies[encoding]
-        known = self._bodies.get(gzipped)
+        known = self._bodies.get((openmetrics, gzipped))
         if known is not None:
             return known.body
-        if not gzipped and not decompress and any(c is not None and c.text is None for c in cached_parts):
+        if not gzipped and not decompress and any(c is not None and c.held(openmetrics, False) is None for c in cached_parts):
             return None
-        pieces = [(c.gzipped if gzipped else c.plain()) for c in cached_parts if c is not None]
+        pieces = [(c.held(openmetrics, True) if gzipped else c.plain(openmetrics)) for c in cached_parts if c is not None]
         # The status families change with every change of a part and are tiny: rendered with the body.
         tail = render_families(status_families(rows))
+        if openmetrics:
+            tail = openmetrics_text(tail) + OPENMETRICS_EOF
         pieces.append(gzip_member(tail) if gzipped else tail)
         body = b"".join(pieces)
-        self._bodies[gzipped] = _Body(tuple(sources), tuple(rows), body)
+        self._bodies[(openmetrics, gzipped)] = _Body(tuple(sources), tuple(rows), body)
         return body
+
+    def _openmetrics(self, part: Part, cached: _Cached) -> _Cached:
+        """``cached`` with the OpenMetrics form of its text, kept in the same encodings as the text."""
+        created = None
+        if self._created is not None:
+            created = self._created.setdefault(part.name, CreatedTimes())
+        text = openmetrics_text(cached.plain(), created, cached.rendered_at)
+        cached = dataclasses.replace(cached, om_gzipped=gzip_member(text)) if cached.text is None else dataclasses.replace(cached, om_text=text)
+        self._cache[part.name] = cached
+        return cached
 
     def _current(self, part: Part) -> _Cached:
         token = part.token()

@@ -235,6 +235,8 @@ class AllocationBook:
         self._kernels: dict[str, Kernel] = {}
         self._device = _Totals()
         self._node = _Totals()
+        # Kept as kernels change, so that a view costs a copy of the kernel table, not a pass over it.
+        self._states = dict.fromkeys(KernelState, 0)
         self._version = 0
         self._errors_total = 0
         self._view: AllocationView | None = None
@@ -291,12 +293,22 @@ class AllocationBook:
 
     def remove(self, kernel_id: str) -> bool:
         """Forget a kernel whose directory is gone. Returns whether it was known."""
+        return self.remove_many((kernel_id,)) == 1
+
+    def remove_many(self, kernel_ids: Iterable[str]) -> int:
+        """Forget kernels whose directories are gone, as one change: one version and one
+        notification for all of them (a node's kernels deleted at once cost one analysis pass,
+        not one each). Returns how many were known."""
         with self._lock:
-            old = self._kernels.get(kernel_id)
-            if old is None:
-                return False
-            self._swap(old, None)
-            return True
+            removed = 0
+            for kernel_id in kernel_ids:
+                old = self._kernels.get(kernel_id)
+                if old is not None:
+                    self._put(old, None)
+                    removed += 1
+            if removed:
+                self._changed()
+            return removed
 
     def holds(self, kernel_id: str, scratch_root: str) -> bool:
         """Whether ``kernel_id`` is recorded under ``scratch_root`` (O(1), unlike :meth:`known`)."""
@@ -313,16 +325,13 @@ class AllocationBook:
         """The current snapshot; cheap when nothing changed since the last call."""
         with self._lock:
             if self._view is None or self._view.version != self._version:
-                counts = dict.fromkeys(KernelState, 0)
-                for k in self._kernels.values():
-                    counts[k.state] += 1
                 self._view = AllocationView(
                     version=self._version,
                     kernels=MappingProxyType(dict(self._kernels)),
                     device_totals=MappingProxyType(dict(self._device.sums)),
                     alloc_map=MappingProxyType(self._alloc_map()),
                     node_totals=MappingProxyType(dict(self._node.sums)),
-                    state_counts=MappingProxyType(counts),
+                    state_counts=MappingProxyType(dict(self._states)),
                     parse_errors_total=self._errors_total,
                     created_at=self._clock(),
                 )
@@ -340,14 +349,20 @@ class AllocationBook:
 
     def _swap(self, old: Kernel | None, new: Kernel | None) -> None:
         # Caller holds the lock.
+        self._put(old, new)
+        self._changed()
+
+    def _put(self, old: Kernel | None, new: Kernel | None) -> None:
+        # Caller holds the lock; the caller announces the change.
         if old is not None:
             self._count(old.allocations, -1)
+            self._states[old.state] -= 1
         if new is not None:
             self._count(new.allocations, +1)
+            self._states[new.state] += 1
             self._kernels[new.kernel_id] = new
         elif old is not None:
             del self._kernels[old.kernel_id]
-        self._changed()
 
     def _changed(self) -> None:
         # Caller holds the lock.

@@ -23,8 +23,8 @@ from exporter.scratch.identity import DOCKER_LABELS, Identity, identity_from_lab
 
 __all__ = ["DEFAULT_MAX_BYTES", "ContainerListError", "DockerLabels", "parse_container_list"]
 
-# A container's entry in the list is ~1-2 KiB (its labels, ports, mounts); 8 MiB is thousands of
-# containers, far beyond what one agent node runs, and bounds what a broken daemon can make us hold.
+# Each container's entry holds its labels, ports and mounts: 8 MiB is far beyond the list of what
+# one agent node runs, and bounds what a broken daemon can make us hold.
 DEFAULT_MAX_BYTES = 8 << 20
 # Only the agent's kernel containers: the daemon filters, so other containers never reach us.
 _QUERY = "/containers/json?" + urllib.parse.urlencode({"filters": json.dumps({"label": [DOCKER_LABELS["kernel_id"]]})})

@@ -1,7 +1,7 @@
 """A large forced scan's reads, shared with a forked helper process while this one parses.
 
-At 10,000 kernels the scan at start spends ~0.17 s in the system calls that open, stat and read
-each kernel's two config files, and ~0.3 s parsing and booking them: all of it on one core, under
+The scan at start spends a large share of its time in the system calls that open, stat and read
+each kernel's two config files, and the rest parsing and booking them: all of it on one core, under
 the GIL. :func:`read_batches` forks a child that reads from the front of the list and streams its
 batches back through a pipe, so that on a machine with a second core the reading overlaps the
 parsing. Whenever no batch of the child's is waiting, this process reads one itself, from the back
@@ -33,15 +33,15 @@ __all__ = ["BATCH_BYTES", "MIN_KERNELS", "read_batches"]
 
 T = TypeVar("T")
 
-# Below this a fork (~2-5 ms for a 50 MiB process, page tables included) costs about what it saves.
+# Below this a fork (the whole process's page tables copied) costs about what it saves.
 MIN_KERNELS = 1024
 # The file bytes a batch may hold before it is closed (4 MiB: ~1,000 kernels of ~4 KiB files,
 # 4 of files near the 1 MiB cap). 64 kernels of 1 MiB files made 64 MiB batches, which the helper
 # held three times at once (the reads, their pickle, the pickle with its header).
 BATCH_BYTES = 4 << 20
 _HEADER = struct.Struct("=I")  # a batch's pickled size, in bytes, before it
-# The kernel's limit for an unprivileged process (/proc/sys/fs/pipe-max-size): the child then
-# rarely waits for the parser. 10,000 kernels' reads are ~4 MB in all.
+# The kernel's limit for an unprivileged process (/proc/sys/fs/pipe-max-size): several batches fit
+# in the pipe, so the child rarely waits for the parser.
 _PIPE_BYTES = 1 << 20
 
 

@@ -267,7 +267,10 @@ class ScanStats:
     error: str | None = None
 
 
-_Signature = tuple[int, int, int, int]  # (st_dev, st_ino, st_size, st_mtime_ns) of a file
+# A file's (st_dev, st_ino, st_size, st_mtime_ns), packed into one int: exact, and one object per
+# kernel and file rather than a tuple of four ints (the table holds one per kernel and file).
+_Signature = int
+_FIELD = (1 << 64) - 1
 # A forced scan reads the files of this many kernels, then parses them: parsing each kernel right
 # after its path walks is markedly slower, as the syscalls evict the parser's working set from
 # the CPU caches. It is
@@ -295,7 +298,7 @@ class Scanner:
         self._monotonic = monotonic
         self._clock = clock
         self._settle = settle_seconds
-        # kernel_id -> (st_dev, st_ino, st_size, st_mtime_ns) of resource.txt when last read;
+        # kernel_id -> the signature (device, inode, size, mtime) of resource.txt when last read;
         # a safety-net rescan re-reads only files whose signature changed.
         self._seen: dict[str, _Signature | None] = {}
         # The same for recovery.json, which the agent rewrites for every kernel at once.
@@ -332,6 +335,15 @@ class Scanner:
                 log.debug("kernel %s removed", kernel_id)
             return None
         return self.book.apply(kernel_id, root, outcome)
+
+    def forget(self, kernel_ids: Sequence[str]) -> None:
+        """Forget kernels whose directories are gone, as one change of the book."""
+        with self._lock:
+            for kernel_id in kernel_ids:
+                self._seen.pop(kernel_id, None)
+                self._seen_identity.pop(kernel_id, None)
+            if removed := self.book.remove_many(kernel_ids):
+                log.debug("%d kernel(s) removed", removed)
 
     def refresh_identity(self, root: str, kernel_id: str) -> None:
         """Re-read one kernel's recovery.json (never its resource.txt).
@@ -382,14 +394,14 @@ class Scanner:
             seen, error = set(), exc.strerror or str(exc)
         else:
             error = None
+        gone = []
         for kernel_id in self.book.known(root) - seen:
             if error is None and os.path.isdir(os.path.join(root, kernel_id)) and not os.path.islink(os.path.join(root, kernel_id)):
                 # Created after the listing and already read from its event: not gone.
                 seen.add(kernel_id)
                 continue
-            self._seen.pop(kernel_id, None)
-            self._seen_identity.pop(kernel_id, None)
-            self.book.remove(kernel_id)
+            gone.append(kernel_id)
+        self.forget(gone)
         kernels = list(seen)
         if force:
             self._read_all(root, kernels)
@@ -471,4 +483,4 @@ def _signature(path: str, dir_fd: int | None = None) -> _Signature | None:
 
 
 def _stat_signature(st: os.stat_result) -> _Signature:
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    return (((st.st_dev << 64 | st.st_ino) << 64 | st.st_size) << 64) | (st.st_mtime_ns & _FIELD)

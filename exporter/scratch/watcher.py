@@ -8,6 +8,10 @@ A thin adapter over watchdog's inotify layer, designed around three measured fac
   non-recursive watch on ``{kernel}/config/`` (or on ``{kernel}/`` until ``config/`` exists). Files
   under ``work/`` never produce an event we can see.
 * An inotify queue overflow reaches us only as ``on_queue_overflow``; it triggers a full rescan.
+* The events of one read of the inotify fd are taken together: watches are armed as each event
+  says, but each kernel they touch is read once, after the last of them, and the kernels whose
+  directories went are forgotten as one change of the book. Deleting (or creating) a node's
+  kernels at once then costs one read per kernel at most, and no analysis pass per kernel.
 * ``memory``/``hostfile`` scratch types mount a filesystem over each kernel directory after it
   appears, which hides later writes from a watch placed before the mount. The worker thread
   polls ``/proc/self/mountinfo`` (the kernel flags it on every mount-table change) and re-arms
@@ -56,6 +60,12 @@ _IDENTITY_NAME = IDENTITY_FILE.name.encode()
 # recovery.json is rewritten in place (truncate, write): read it once the writer closes it.
 _IDENTITY_EVENTS = IN.IN_CLOSE_WRITE | IN.IN_MOVED_TO
 _CB_ID = 0  # one callback per watch: its id only has to be unique within the watch
+# What the events of one read left to do for a kernel (bits, see ScratchWatcher._mark).
+_READ = 1  # read resource.txt
+_CLOSED = 2  # ...and its writer had closed it at its last event
+_IDENTITY = 4  # read recovery.json
+_GONE = 8  # its directory went: forget it unless it is there again
+_WENT = 16  # its directory went at some event (kept when a later one asks for a read)
 
 
 @dataclass(frozen=True)
@@ -75,14 +85,16 @@ class WatcherStatus:
 
 
 class _Watch:
-    """A directory we watch and what it stands for."""
+    """A directory we watch and what it stands for (one per kernel: no path kept, the root and
+    kernel id name it)."""
 
-    __slots__ = ("root", "kernel_id", "path", "wd", "ident")
+    __slots__ = ("root", "kernel_id", "config", "wd", "ident")
 
-    def __init__(self, root: str, kernel_id: str | None, path: str) -> None:
-        self.root, self.kernel_id, self.path = root, kernel_id, path
+    def __init__(self, root: str, kernel_id: str | None, config: bool) -> None:
+        self.root, self.kernel_id = root, kernel_id
+        self.config = config  # a kernel's config/, else the kernel directory (or the root)
         self.wd = -1
-        self.ident: tuple[int, int] | None = None  # (st_dev, st_ino) of the watched directory
+        self.ident: int | None = None  # the watched directory's device and inode (_ident)
 
 
 class _Dispatch:
@@ -106,6 +118,22 @@ class _Dispatch:
 
     def on_queue_overflow(self) -> None:
         self.owner._on_overflow()
+
+
+class _Reader(InotifyFD):
+    """watchdog's inotify reader thread, which also says when the events of one read are handled."""
+
+    def __init__(self, on_read: Callable[[], None]) -> None:
+        super().__init__()
+        self._on_read = on_read
+
+    def run(self) -> None:
+        while self.should_keep_running():
+            events = self.read_events()
+            for event in events:
+                self.handle_event(event)
+            if events:
+                self._on_read()
 
 
 class ScratchWatcher:
@@ -148,6 +176,8 @@ class ScratchWatcher:
         self._root_watch: dict[str, _Watch] = {}
         self._kernel_watch: dict[tuple[str, str], _Watch] = {}
         self._by_wd: dict[int, _Watch] = {}
+        # (root, kernel id) -> what the events of the current read left to do (_READ, ...).
+        self._dirty: dict[tuple[str, str], int] = {}
         self._dispatch = _Dispatch(self)
         self._worker: threading.Thread | None = None
         self._stop = threading.Event()
@@ -171,7 +201,7 @@ class ScratchWatcher:
         a sizeable part of a large start, which would otherwise delay readiness.
         """
         if self.mode == "inotify":
-            self._fd = InotifyFD()
+            self._fd = _Reader(self._flush)
             self._fd.start()
         self._wake_r, self._wake_w = os.pipe()
         self._full_scan(force=True, arm_kernels=False)
@@ -369,26 +399,28 @@ class ScratchWatcher:
         config = os.path.join(kdir, _CONFIG_NAME.decode())
         with self._lock:
             ident = _dir_ident(config)
-            path, mask = (config, _CONFIG_MASK) if ident else (kdir, _KERNEL_MASK)
-            ident = ident or _dir_ident(kdir)
+            in_config = ident is not None
+            path, mask = (config, _CONFIG_MASK) if in_config else (kdir, _KERNEL_MASK)
+            if not in_config:
+                ident = _dir_ident(kdir)
             current = self._kernel_watch.get((root, kernel_id))
-            if current is not None and current.path == path and current.ident == ident:
+            if current is not None and current.config == in_config and current.ident == ident:
                 return False
             if current is not None:
                 self._unwatch(current)
             if ident is None:
                 return False
-            armed = self._watch(root, kernel_id, path, mask)
-            if armed and path == kdir and _dir_ident(config):
+            armed = self._watch(root, kernel_id, path, mask, in_config)
+            if armed and not in_config and _dir_ident(config) is not None:
                 # config/ appeared between our check and the watch: its IN_CREATE is lost, move now.
                 return self._arm_kernel(root, kernel_id)
             return armed
 
-    def _watch(self, root: str, kernel_id: str | None, path: str, mask: int) -> bool:
+    def _watch(self, root: str, kernel_id: str | None, path: str, mask: int, config: bool = False) -> bool:
         fd = self._fd
         if fd is None:
             return False
-        w = _Watch(root, kernel_id, path)
+        w = _Watch(root, kernel_id, config)
         try:
             w.ident = _ident(path)
             w.wd = fd.add_callback(os.fsencode(path), mask, self._dispatch, _CB_ID)
@@ -460,20 +492,62 @@ class ScratchWatcher:
                 return
             if mask & (IN.IN_CREATE | IN.IN_MOVED_TO):
                 self._arm_kernel(w.root, kernel_id)
-            self.scanner.refresh(w.root, kernel_id)
-            if mask & (IN.IN_DELETE | IN.IN_MOVED_FROM):
-                # Only this kernel's watch: a sweep of every watch per deletion made deleting
-                # every kernel of a large root quadratic in the number of kernels.
-                self._drop_kernel(w.root, kernel_id)
+                self._mark(w.root, kernel_id, _READ)
+            else:  # IN_DELETE, IN_MOVED_FROM
+                self._mark(w.root, kernel_id, _GONE)
         elif name == _CONFIG_NAME:  # config/ appeared in a kernel directory: move the watch there
             self._arm_kernel(w.root, w.kernel_id)
-            self.scanner.refresh(w.root, w.kernel_id)
-            self.scanner.refresh_identity(w.root, w.kernel_id)
+            self._mark(w.root, w.kernel_id, _READ | _IDENTITY)
         elif name == _RESOURCE_NAME:
             # After IN_CLOSE_WRITE the writer is done: an unterminated last line is complete.
-            self.scanner.refresh(w.root, w.kernel_id, closed=bool(mask & IN.IN_CLOSE_WRITE))
+            self._mark(w.root, w.kernel_id, _READ | (_CLOSED if mask & IN.IN_CLOSE_WRITE else 0))
         elif name == _IDENTITY_NAME and mask & _IDENTITY_EVENTS:
-            self.scanner.refresh_identity(w.root, w.kernel_id)
+            self._mark(w.root, w.kernel_id, _IDENTITY)
+
+    def _mark(self, root: str, kernel_id: str, todo: int) -> None:
+        """Note what an event leaves to do for a kernel, done by :meth:`_flush` after the last
+        event of the read. A later event overrides: a kernel created after it went is read, one
+        that went after its writes is only forgotten; ``_CLOSED`` follows the last write event."""
+        key = (root, kernel_id)
+        with self._lock:
+            if todo & _GONE:
+                self._dirty[key] = _GONE | _WENT
+                return
+            was = self._dirty.get(key, 0) & ~_GONE
+            if todo & _READ:
+                was &= ~_CLOSED
+            self._dirty[key] = was | todo
+
+    def _flush(self) -> None:
+        """Do what the events of one read left to do (on the reader thread, after them): read each
+        kernel they touched once, and forget the kernels whose directories went in one change."""
+        with self._lock:
+            dirty, self._dirty = self._dirty, {}
+        gone: dict[str, list[str]] = {}
+        for (root, kernel_id), todo in dirty.items():
+            try:
+                if todo & _GONE:
+                    if _dir_ident(os.path.join(root, kernel_id)) is None:
+                        gone.setdefault(root, []).append(kernel_id)
+                        continue
+                    todo = _READ | _IDENTITY  # another directory of that name since: read it anew
+                if todo & _READ:
+                    self.scanner.refresh(root, kernel_id, closed=bool(todo & _CLOSED))
+                if todo & _IDENTITY:
+                    self.scanner.refresh_identity(root, kernel_id)
+                if todo & _WENT:  # a directory moved away whose watch still reported: unless read back
+                    self._drop_kernel(root, kernel_id)
+            except Exception:  # one kernel's failure must not cost the others their reads
+                self._count_error("event handler failed", exc_info=True)
+        for root, kernel_ids in gone.items():
+            try:
+                self.scanner.forget(kernel_ids)
+                for kernel_id in kernel_ids:
+                    # Only these kernels' watches: a sweep of every watch per deletion made deleting
+                    # every kernel of a large root quadratic in the number of kernels.
+                    self._drop_kernel(root, kernel_id)
+            except Exception:
+                self._count_error("forgetting deleted kernels failed", exc_info=True)
 
     def _on_overflow(self) -> None:
         with self._lock:
@@ -504,21 +578,23 @@ def _mount_points(mountinfo: str, roots: Sequence[str]) -> set[str]:
     return points
 
 
-def _ident(path: str) -> tuple[int, int] | None:
+def _ident(path: str) -> int | None:
+    """The device and inode of ``path`` as one int (a watch per kernel keeps one: an int, not a
+    tuple of two), or None where it cannot be stat'ed."""
     try:
         st = os.stat(path)
     except OSError:
         return None
-    return (st.st_dev, st.st_ino)
+    return st.st_dev << 64 | st.st_ino
 
 
-def _dir_ident(path: str) -> tuple[int, int] | None:
+def _dir_ident(path: str) -> int | None:
     """Like :func:`_ident` for a directory of a kernel, without following a symlink."""
     try:
         st = os.lstat(path)
     except OSError:
         return None
-    return (st.st_dev, st.st_ino) if stat.S_ISDIR(st.st_mode) else None
+    return st.st_dev << 64 | st.st_ino if stat.S_ISDIR(st.st_mode) else None
 
 
 def _max_user_watches() -> str:

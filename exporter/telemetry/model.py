@@ -173,6 +173,19 @@ class DeviceReading:
     # pid -> SM utilisation 0-1, mean of the samples since the last reading (nvidia-smi pmon "sm");
     # a running process without samples was idle. None: not sampled (MIG-enabled or unsupported GPU).
     process_utilization: Mapping[int, float] | None = None
+    # Busy time integrated from the driver's utilisation sample buffers (nvmlDeviceGetSamples and
+    # the per-process samples above, read once): each sample's utilisation x the span since the
+    # device's previous sample. Counters in seconds since this source first read the GPU (0 at that
+    # reading; they restart with a new nvml_generation). ``busy_seconds``: the whole GPU;
+    # ``process_busy_seconds``: pid -> SM-busy seconds, kept while NVML lists the process or has
+    # samples of it (a PID seen again after that starts at 0). None: not measurable (MIG-enabled or
+    # unsupported GPU, a failed call); an idle GPU reads as measured, adding 0.
+    busy_seconds: float | None = None
+    process_busy_seconds: Mapping[int, float] | None = None
+    # Seconds the integration could not cover (a counter, as busy_seconds): the driver's bounded
+    # sample buffer had already dropped the samples of that span when the GPU was read. Neither
+    # counter above includes that span's busy time; None where busy_seconds is None.
+    busy_unmeasured_seconds: float | None = None
     # SMs: NVML reports it for MIG devices only; for a whole GPU it comes from the CUDA driver
     # (cuDeviceGetAttribute) or, failing that, a table of known models.
     multiprocessor_count: int | None = None

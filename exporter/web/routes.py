@@ -1,22 +1,26 @@
 """The HTTP routes: ``/metrics`` from cached bytes, health and readiness, and the JSON API
-(``/api/v1/alloc-map``, ``/api/v1/state``, ``/api/v1/simulate``); schemas in docs/metrics.md.
+(``/api/v1/alloc-map``, ``/api/v1/state``, ``/api/v1/simulate``, ``/api/v1/placeable``); schemas
+in docs/metrics.md.
 
 Every handler reads what :class:`Served` hands it: the allocation view, the published read
 model and the rendered exposition; none computes analysis or reaches back into the wiring."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from decimal import Decimal
+from typing import Any
 
 from exporter import __version__
-from exporter.analysis.model import Analysis
+from exporter.analysis.model import Analysis, ShapeFigures
 from exporter.metrics.documents import StateText, json_bytes
+from exporter.metrics.text import OPENMETRICS_CONTENT_TYPE, negotiate
 from exporter.scratch.allocation import ALLOC_MAP_FORMATS, AllocationView
 from exporter.scratch.watcher import WatcherStatus
 from exporter.web.server import Request, Response, Route, Router
 
-__all__ = ["Routes", "Served"]
+__all__ = ["Routes", "Served", "placeable_document"]
 
 TEXT_FORMAT = "text/plain; version=0.0.4; charset=utf-8"
 JSON = "application/json"
@@ -28,8 +32,9 @@ class Served:
 
     :param view: the allocation book's current view (the absolute alloc map: no analysis hop).
     :param model: the analysis pipeline's current read model.
-    :param render: the exposition, rendering what changed (``gzipped``: gzip members).
-    :param render_cached: the exposition if nothing has to be rendered for it, else None (never waits).
+    :param render: ``(gzipped, openmetrics)`` -> the exposition, rendering what changed
+        (``gzipped``: gzip members; ``openmetrics``: OpenMetrics 1.0, else text format 0.0.4).
+    :param render_cached: the same if nothing has to be rendered for it, else None (never waits).
     :param ready: whether the first scan and analysis are done.
     :param watcher: the scratch watcher's status (``/-/healthy``).
     :param roots: the scratch roots, as ``/api/v1/state`` names them.
@@ -38,8 +43,8 @@ class Served:
 
     view: Callable[[], AllocationView]
     model: Callable[[], Analysis]
-    render: Callable[[bool], bytes]
-    render_cached: Callable[[bool], bytes | None]
+    render: Callable[[bool, bool], bytes]
+    render_cached: Callable[[bool, bool], bytes | None]
     ready: Callable[[], bool]
     watcher: Callable[[], WatcherStatus]
     roots: tuple[str, ...] = ()
@@ -64,6 +69,8 @@ class Routes(Router):
             "/api/v1/alloc-map": Route(self._alloc_map, offload=True),
             "/api/v1/state": Route(self._state, offload=True),
             "/api/v1/simulate": Route(self._simulate, offload=True),
+            # A few shapes' published verdicts, formatted: cheap enough for the loop.
+            "/api/v1/placeable": Route(self._placeable),
         })
 
     def handle(self, request: Request) -> Response:
@@ -79,13 +86,13 @@ class Routes(Router):
         return Response(200, body.encode(), "text/html; charset=utf-8")
 
     def _metrics(self, request: Request) -> Response:
-        gz = "gzip" in request.headers.get("accept-encoding", "")
-        return _exposition(self._served.render(gz), gz)
+        gz, om = _wants(request)
+        return _exposition(self._served.render(gz, om), gz, om)
 
     def _metrics_cached(self, request: Request) -> Response | None:
-        gz = "gzip" in request.headers.get("accept-encoding", "")
-        body = self._served.render_cached(gz)
-        return _exposition(body, gz) if body is not None else None
+        gz, om = _wants(request)
+        body = self._served.render_cached(gz, om)
+        return _exposition(body, gz, om) if body is not None else None
 
     def _healthy(self, _: Request) -> Response:
         if self._served.ready() and not self._served.watcher().up:
@@ -132,9 +139,71 @@ class Routes(Router):
             return Response(400, f"{exc}\n".encode())
         return _json(document)
 
+    def _placeable(self, request: Request) -> Response:
+        figures = self._served.model().shapes
+        names = [s.name for s in figures.shapes]
+        wanted = request.query.get("shape", [None])[0]
+        if wanted is not None and wanted not in names:
+            known = ", ".join(names) or "none"
+            return Response(404, f"parameter shape: no shape {wanted[:64]!r} is configured (--fleet.shape; shapes: {known})\n".encode())
+        return _json(placeable_document(figures, wanted))
 
-def _exposition(body: bytes, gzipped: bool) -> Response:
-    return Response(200, body, TEXT_FORMAT, {"Content-Encoding": "gzip"} if gzipped else {})
+
+def placeable_document(figures: ShapeFigures, shape: str | None = None) -> dict[str, Any]:
+    """``/api/v1/placeable``: per configured request shape (or only ``shape``), whether this node's
+    agent would place it with fragmentation allowed and disallowed and why not, what the manager
+    sees left of its slot, HAMi's node score of that slot and the devices HAMi's device policies
+    would take. Amounts are exact decimal strings, scores have four decimals."""
+    verdicts = {(v.shape, v.fragmentation): v for v in figures.verdicts}
+    picks: dict[str, dict[str, Any]] = {}
+    for pick in figures.hami_picks:
+        picks.setdefault(pick.shape, {})[pick.policy] = {
+            "placed": pick.placement is not None,
+            "placement": {d: str(a) for d, a in (pick.placement or {}).items()},
+            "reason": pick.reason,
+        }
+    shapes = []
+    for s in figures.shapes:
+        if shape is not None and s.name != shape:
+            continue
+        slot, _ = s.accelerator
+        modes = [m for m in ("allowed", "disallowed") if (s.name, m) in verdicts]
+        score = figures.hami_scores.get(slot)
+        shapes.append({
+            "shape": s.name,
+            "request": {k: str(a) for k, a in s.slots},
+            "slot": slot,
+            "remaining": _text(figures.remaining.get(slot)),
+            "placeable": {m: verdicts[s.name, m].placeable for m in modes},
+            "reason": {m: verdicts[s.name, m].reason for m in modes},
+            "hami": {"node_score": None if score is None else _score(score), **picks.get(s.name, {})},
+        })
+    return {
+        "remaining": {k: str(v) for k, v in sorted(figures.remaining.items())},
+        "hami_node_scores": _scores(figures.hami_scores),
+        "shapes": shapes,
+    }
+
+
+def _text(value: Decimal | None) -> str | None:
+    return None if value is None else str(value)
+
+
+def _score(value: Decimal) -> str:
+    return str(value.quantize(Decimal("0.0001")))
+
+
+def _scores(values: Mapping[str, Decimal]) -> dict[str, str]:
+    return {k: _score(v) for k, v in sorted(values.items())}
+
+
+def _wants(request: Request) -> tuple[bool, bool]:
+    """(gzip, OpenMetrics): what the scraper's Accept-Encoding and Accept ask for."""
+    return "gzip" in request.headers.get("accept-encoding", ""), negotiate(request.headers.get("accept", ""))
+
+
+def _exposition(body: bytes, gzipped: bool, openmetrics: bool) -> Response:
+    return Response(200, body, OPENMETRICS_CONTENT_TYPE if openmetrics else TEXT_FORMAT, {"Content-Encoding": "gzip"} if gzipped else {})
 
 
 def _json(obj: object) -> Response:

@@ -235,7 +235,8 @@ class HttpServer:
         self._offloaded = 0  # offloaded requests running or queued
         # Response bodies being written, by id, oldest first. Each distinct body counts once in
         # _held (bytes); _held_documents is the offloaded routes' share, _dropping what is being
-        # dropped to make room. _latest: the newest exposition body handed out, per encoding.
+        # dropped to make room. _latest: the newest exposition body handed out, per form (its
+        # content type and encoding: text or OpenMetrics, plain or gzip).
         self._writing: dict[int, _Writing] = {}
         self._held = 0
         self._held_documents = 0
@@ -742,7 +743,9 @@ class HttpServer:
             response = await asyncio.get_running_loop().run_in_executor(self._renderer, _run_handler, route.handler, request)
         if request.method == "HEAD" or response.status != 200:
             return response
-        return self._held_response(response, encoding=response.headers.get("Content-Encoding", ""))
+        # Keyed by content type too: a text body never supersedes the OpenMetrics body of the same render.
+        form = f'{response.content_type}|{response.headers.get("Content-Encoding", "")}'
+        return self._held_response(response, encoding=form)
 
     async def _offload(self, route: Route, request: Request) -> Response:
         """Run a document route on the worker pool, or refuse it (503) when the pool's queue or the
@@ -766,9 +769,9 @@ class HttpServer:
         """``response`` marked to count against ``max_held_bytes`` while it is written, or a 503.
 
         A body already being written costs nothing more. A new one must fit: for an exposition
-        (``encoding`` is its Content-Encoding; None: a document), room is first made by dropping
-        the clients still being sent an exposition that a newer one of the same encoding has
-        superseded, oldest first (they are refused, as ``max_held_bytes``, and retry with the
+        (``encoding`` is its form, content type and Content-Encoding; None: a document), room is
+        first made by dropping the clients still being sent an exposition that a newer one of the
+        same form has superseded, oldest first (they are refused, as ``max_held_bytes``, and retry with the
         current one), so that clients which never read cannot keep scrapes out with bodies of
         renders long gone; what cannot be made room for is refused with 503."""
         body = response.body
@@ -779,7 +782,7 @@ class HttpServer:
                 self._reject("max_held_bytes")
                 return _busy(_BUSY if encoding is None else _HELD_FULL)
         if encoding is not None:
-            self._latest[encoding] = body  # what supersedes the earlier bodies of its encoding
+            self._latest[encoding] = body  # what supersedes the earlier bodies of its form
         return _Held(response.status, body, response.content_type, response.headers, encoding)
 
     def _drop_superseded(self, need: int, encoding: str, newer: bytes) -> bool:
@@ -856,7 +859,7 @@ class _Writing:
     being dropped to make room (:meth:`HttpServer._drop_superseded`)."""
 
     body: bytes
-    encoding: str | None  # an exposition's Content-Encoding ("" plain); None: a document
+    encoding: str | None  # an exposition's form: content type and Content-Encoding; None: a document
     tasks: set[asyncio.Task]
     dropped: bool = False
 
@@ -892,7 +895,7 @@ async def _write(h: h11.Connection, writer: asyncio.StreamWriter, method: str, r
 
 class _Held(Response):
     """A response whose body counts against ``max_held_bytes`` until written (once per distinct
-    body). ``encoding``: an exposition's Content-Encoding ("" for plain text); None for an
+    body). ``encoding``: an exposition's form (content type and Content-Encoding); None for an
     offloaded route's document, which :meth:`HttpServer.stats` shows."""
 
     def __init__(self, status: int, body: bytes, content_type: str, headers: dict[str, str], encoding: str | None) -> None:

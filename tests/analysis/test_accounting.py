@@ -1,5 +1,6 @@
-"""GPU shares, measured use normalised by allocation, and the chargeback counters, on the fake
-DGX A100 with the recorded /proc tree (tests/helpers.py describes the node)."""
+"""GPU shares, measured use normalised by allocation, and the ledger's counters, on the fake
+DGX A100 with the recorded /proc tree (tests/helpers.py describes the node); the ledger's
+invariants over random timelines are in test_ledger_properties.py."""
 
 from __future__ import annotations
 
@@ -59,21 +60,31 @@ def test_unmeasured_use_is_absent_never_zero() -> None:
     assert out.kernels[K2].utilization_ratio == pytest.approx(0.5)
 
 
+def busy_at(t: float):
+    """The node at ``t`` seconds, GPU 2's process (K2's 2001) busy half of the time; the other
+    GPUs' sources count no busy time."""
+    return dgx(gpu={**SMS, 0: {"multiprocessor_count": 108, "process_busy_seconds": None, "busy_seconds": None},
+                    2: {"multiprocessor_count": 108, "process_busy_seconds": {2001: 0.5 * t}, "busy_seconds": 0.5 * t}})
+
+
 def test_counters_integrate_in_the_background_whatever_the_cadence() -> None:
     coarse, fine = Clock(), Clock()
     a, b = Accountant(coarse), Accountant(fine)
-    account(coarse, a)
-    account(fine, b)
+    account(coarse, a, snapshot=busy_at(0))
+    account(fine, b, snapshot=busy_at(0))
     coarse.now = 60
-    out_a = account(coarse, a)
+    out_a = account(coarse, a, snapshot=busy_at(60))
     for t in range(1, 61):
         fine.now = t
-        out_b = account(fine, b)
+        out_b = account(fine, b, snapshot=busy_at(t))
     for out in (out_a, out_b):
         assert out.allocated_seconds[(K2, GPU[2])] == pytest.approx(60)
         assert out.allocated_seconds[(K1, GPU[0])] == pytest.approx(60 * SHARE)
-        assert out.used_seconds[(K2, GPU[2])] == pytest.approx(60 * 0.5)
-        assert (K5, GPU[6]) in out.allocated_seconds and (K5, GPU[6]) not in out.used_seconds  # MIG: not measured
+        assert out.busy_seconds[(K2, GPU[2])] == pytest.approx(60 * 0.5)
+        assert out.measured[GPU[2]] and not out.measured[GPU[0]] and not out.measured[GPU[6]]
+        # No busy counter from the source (GPU 0), or MIG: no sample, never 0.
+        assert (K1, GPU[0]) not in out.busy_seconds
+        assert (K5, GPU[6]) in out.allocated_seconds and (K5, GPU[6]) not in out.busy_seconds
 
 
 def test_an_ended_kernels_counters_stay_for_the_retention_then_go() -> None:
@@ -112,21 +123,22 @@ def test_an_unchanged_node_reuses_its_rates_and_every_result_stays_as_it_was() -
     snapshot, kernels = dgx(), node_kernels()
     resolver = DeviceResolver(snapshot, [a.device_id for k in kernels for a in k.allocations])
     acc = Accountant(clock)
-    first = acc.update(kernels, snapshot, resolver, CapacityConfig(), None, version=1)
+    cap = CapacityConfig()  # one object: the accountant keys its cache by the configuration's identity
+    first = acc.update(kernels, snapshot, resolver, cap, None, version=1)
     assert first.allocated_seconds[(K2, GPU[2])] == 0
     clock.now += 10
-    second = acc.update(kernels, snapshot, resolver, CapacityConfig(), None, version=1)
+    second = acc.update(kernels, snapshot, resolver, cap, None, version=1)
     clock.now += 10
-    third = acc.update(kernels, snapshot, resolver, CapacityConfig(), None, version=1)
+    third = acc.update(kernels, snapshot, resolver, cap, None, version=1)
     assert second.shares is first.shares  # the same rates: nothing was walked again
     assert second.allocated_seconds[(K2, GPU[2])] == pytest.approx(10)
     assert third.allocated_seconds[(K2, GPU[2])] == pytest.approx(20)
     assert first.allocated_seconds[(K2, GPU[2])] == 0  # an earlier result is unchanged
     others = [k for k in kernels if k.kernel_id != K2]
     clock.now += 10
-    fourth = acc.update(others, snapshot, resolver, CapacityConfig(), None, version=2)
+    fourth = acc.update(others, snapshot, resolver, cap, None, version=2)
     clock.now += 10
-    fifth = acc.update(others, snapshot, resolver, CapacityConfig(), None, version=2)
+    fifth = acc.update(others, snapshot, resolver, cap, None, version=2)
     # K2 ended: its counter took the last interval at the old rate, then stopped.
     assert fourth.allocated_seconds[(K2, GPU[2])] == pytest.approx(30) == fifth.allocated_seconds[(K2, GPU[2])]
     assert third.allocated_seconds[(K2, GPU[2])] == pytest.approx(20)

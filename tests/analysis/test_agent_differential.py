@@ -10,7 +10,8 @@ headroom and how many requests of a size fit one after another must agree exactl
 The wheels are a test-only input: ``pip download`` puts them in pytest's cache folder (or
 ``$GPU_ALLOC_AGENT_WHEELS``), never in the repository. Only the two allocator modules are
 copied to a temporary folder, where their Python 3.12+ syntax (PEP 695 aliases and type
-parameters, ``typing.override``) is rewritten mechanically so Python 3.11 runs them. What they
+parameters, ``typing.override``) is rewritten mechanically so Python 3.11 runs them
+(``tests/backendai_wheels.py``). What they
 import from the agent's runtime is replaced there by stand-ins: the agent's exception classes
 (names and hierarchy), a logging adapter, and ``DeviceId``/``DeviceName``/``SlotName``/
 ``SlotTypes`` and ``ConfigurationError`` copied out of ``backend.ai-common``'s source. networkx
@@ -22,11 +23,7 @@ No network, no test: the download failing fails this test, loudly.
 
 from __future__ import annotations
 
-import ast
-import os
 import random
-import re
-import subprocess
 import sys
 import zipfile
 from collections.abc import Iterator, Sequence
@@ -36,6 +33,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from backendai_wheels import TYPING_SHIM, extract, fetch_wheel, to_py311, wheels_folder
 
 from exporter.analysis.headroom import count_fits, headroom
 from exporter.analysis.placement import (
@@ -67,54 +65,8 @@ DEPENDENCIES = [("networkx==3.3", "networkx-3.3-*.whl"), ("more-itertools==10.5.
 
 
 def _wheel(cache: Path, requirement: str, pattern: str) -> Path:
-    found = sorted(cache.glob(pattern))
-    if found:
-        return found[0]
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version", "3.13",
-               "--disable-pip-version-check", "-q", "-d", str(cache), requirement]
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
-        why = (done.stderr or done.stdout).strip().splitlines()[-1:] if done.returncode else []
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        why = [str(exc)]
-    found = sorted(cache.glob(pattern))
-    if not found:
-        message = f"cannot download {requirement} from PyPI ({' '.join(why) or 'no wheel'}): the differential test needs it"
-        if os.environ.get(SKIP_ENV) == "1":
-            pytest.skip(f"{message}; skipped because {SKIP_ENV}=1")
-        pytest.fail(f"{message}; set {SKIP_ENV}=1 to skip it offline", pytrace=False)
-    return found[0]
+    return fetch_wheel(cache, requirement, pattern, SKIP_ENV)
 
-
-_ALIAS = re.compile(r"^(?P<indent>[ \t]*)type\s+(?P<name>\w+)\s*(?:\[[^\]]*\])?\s*=", re.M)
-_TYPE_PARAMS = re.compile(r"\b(?:def|class)\s+\w+\[")
-
-
-def to_py311(text: str) -> str:
-    """PEP 695 (``type X = ...``, ``def f[T](...)``, ``class C[T](...)``) rewritten to 3.11 syntax,
-    and ``typing`` imports taken from a shim that adds ``override`` (3.12+)."""
-    text = _ALIAS.sub(lambda m: f"{m['indent']}{m['name']} =", text)
-    out, pos = [], 0
-    for m in _TYPE_PARAMS.finditer(text):
-        depth, end = 0, m.end() - 1
-        while True:
-            depth += {"[": 1, "]": -1}.get(text[end], 0)
-            end += 1
-            if depth == 0:
-                break
-        out.append(text[pos : m.end() - 1])
-        pos = end
-    out.append(text[pos:])
-    return re.sub(r"^from typing import ", "from _typing311 import ", "".join(out), flags=re.M)
-
-
-_TYPING_SHIM = '''import typing
-
-globals().update({name: getattr(typing, name) for name in dir(typing) if not name.startswith("__")})
-if not hasattr(typing, "override"):
-    def override(method):
-        return method
-'''
 
 _ERRORS = '''class ResourceError(Exception):
     def __init__(self, *args, **kwargs):
@@ -139,20 +91,6 @@ class BraceStyleAdapter(logging.LoggerAdapter):
 '''
 
 
-def _extract(source: str, names: set[str], header: str) -> str:
-    """The top-level definitions ``names`` of ``source`` (assignments and classes), verbatim."""
-    text = to_py311(source)
-    tree = ast.parse(text)
-    parts = [header]
-    for node in tree.body:
-        targets = [t.id for t in getattr(node, "targets", []) if isinstance(t, ast.Name)]
-        if getattr(node, "name", None) in names or set(targets) & names:
-            parts.append(ast.get_source_segment(text, node))
-    missing = names - {n for p in parts[1:] for n in re.findall(r"^(?:class )?(\w+)", p)}
-    assert not missing, f"not in the released source: {missing}"
-    return "\n\n\n".join(parts) + "\n"
-
-
 def build_tree(agent: Path, common: Path, deps: Sequence[Path], root: Path) -> None:
     """The released allocator modules under ``root``, runnable on this Python."""
     for dep in deps:
@@ -169,11 +107,11 @@ def build_tree(agent: Path, common: Path, deps: Sequence[Path], root: Path) -> N
     with zipfile.ZipFile(common) as z:
         types = z.read("ai/backend/common/types.py").decode()
         exception = z.read("ai/backend/common/exception.py").decode()
-    (package / "common" / "types.py").write_text(_extract(
+    (package / "common" / "types.py").write_text(extract(
         types, {"DeviceName", "DeviceId", "SlotName", "SlotTypes"},
         "from __future__ import annotations\n\nimport enum\nfrom collections import UserString\nfrom typing import NewType",
     ))
-    (package / "common" / "exception.py").write_text(_extract(
+    (package / "common" / "exception.py").write_text(extract(
         exception, {"ConfigurationError"},
         "from __future__ import annotations\n\nfrom collections.abc import Mapping\nfrom typing import Any",
     ))
@@ -181,7 +119,7 @@ def build_tree(agent: Path, common: Path, deps: Sequence[Path], root: Path) -> N
     # Before 26.4 the same classes came from ``.exception``.
     (package / "agent" / "exception.py").write_text("from .errors import *  # noqa: F403\n")
     (package / "logging.py").write_text(_LOGGING)
-    (root / "_typing311.py").write_text(_TYPING_SHIM)
+    (root / "_typing311.py").write_text(TYPING_SHIM)
 
 
 def load(root: Path) -> SimpleNamespace:
@@ -208,12 +146,7 @@ def load(root: Path) -> SimpleNamespace:
 
 @pytest.fixture(scope="module")
 def wheels_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if os.environ.get(WHEELS_ENV):
-        path = Path(os.environ[WHEELS_ENV])
-        path.mkdir(parents=True, exist_ok=True)
-        return path
-    cache = getattr(request.config, "cache", None)
-    return cache.mkdir("backendai-agent-wheels") if cache is not None else tmp_path_factory.mktemp("wheels")
+    return wheels_folder(request, tmp_path_factory, WHEELS_ENV, "backendai-agent-wheels")
 
 
 def released(version: str, wheels: Path, tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:

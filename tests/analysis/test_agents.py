@@ -158,3 +158,58 @@ def test_the_affinity_policy_of_agent_toml_reaches_headroom(tmp_path) -> None:
     toml.write_text('[container]\nscratch-root = "/srv/s"\n[resource]\naffinity-policy = "closest"\n')
     with pytest.raises(ConfigError, match=r"agent.toml: \[resource\] affinity-policy must be one of INTERLEAVED, PREFER_SINGLE_NODE"):
         resolve(settings(), agent_config=toml, hostname="n")
+
+
+def _aliased(tmp_path) -> tuple[str, str]:
+    root = tmp_path / "scratches"
+    root.mkdir()
+    (tmp_path / "scratches-link").symlink_to(root)
+    return str(root), str(tmp_path / "scratches-link")
+
+
+def _alias_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "same directory" in r.getMessage()]
+
+
+def test_agents_naming_one_root_through_a_symlink_share_it(tmp_path, caplog) -> None:
+    """Two spellings of one directory are one root shared by both agents (its kernels split by
+    recovery.json), not two roots each crediting every kernel to its agent."""
+    root, link = _aliased(tmp_path)
+    text = f'[[agents]]\nagent = {{ id = "a1" }}\ncontainer = {{ scratch-root = "{root}" }}\n' \
+           f'[[agents]]\nagent = {{ id = "a2" }}\ncontainer = {{ scratch-root = "{link}" }}\n'
+    layout = resolve_agent_layout(settings(), text, "agent.toml", "n")
+    assert layout.roots == (root,) and layout.agents == ("a1", "a2") and dict(layout.bindings) == {}
+    assert _alias_warnings(caplog) == [f"scratch roots {root} and {link} are the same directory; "
+                                       f"read once as {root}, shared by the agents naming either"]
+    book = AllocationBook(lambda: 0.0)
+    k1, k2 = (f"{i}0000000-0000-4000-8000-000000000000" for i in range(1, 3))
+    book.apply(k1, root, _spec("CUDA.SHARES_SHARES=GPU-0:0.5"))
+    book.apply(k2, root, _spec("CUDA.SHARES_SHARES=GPU-0:0.25"))
+    sess = "b0a4e7c2-5d1f-4e6a-8c3b-2f9d7e1a6b4c"
+    book.set_identity(k1, Identity(k1, sess, agent_id="a1"))
+    book.set_identity(k2, Identity(k2, sess, agent_id="a2"))
+    views = agent_views(book.view(), layout)
+    assert dict(views["a1"].alloc_map) == {"GPU-0": "0.5"} and dict(views["a2"].alloc_map) == {"GPU-0": "0.25"}
+
+
+def test_one_root_given_twice_by_flag_is_read_once(tmp_path, caplog) -> None:
+    root, link = _aliased(tmp_path)
+    dotted = str(tmp_path / "scratches" / ".." / "scratches")
+    layout = resolve_agent_layout(settings(scratch_roots=[root, link, dotted]), None, None, "n")
+    assert layout.roots == (root,)
+    assert len(_alias_warnings(caplog)) == 2 and all(root in w for w in _alias_warnings(caplog))
+    caplog.clear()
+    layout = resolve_agent_layout(settings(scratch_agents=[f"{root}=A", f"{link}=B"]), None, None, "n")
+    assert layout.roots == (root,) and layout.agents == ("A", "B") and dict(layout.bindings) == {}
+    assert len(_alias_warnings(caplog)) == 1
+    # A flag's root that is agent.toml's under another name: the flag wins, nothing to warn of.
+    caplog.clear()
+    layout = resolve_agent_layout(settings(scratch_roots=[link]), f'[agent]\nid = "a"\n[container]\nscratch-root = "{root}"\n', "agent.toml", "n")
+    assert layout.roots == (link,) and dict(layout.bindings) == {link: "a"} and not _alias_warnings(caplog)
+    # Distinct directories, and ones that do not exist yet, stay apart without a word.
+    caplog.clear()
+    other = tmp_path / "other"
+    other.mkdir()
+    layout = resolve_agent_layout(settings(scratch_agents=[f"{root}=A", f"{other}=B", f"{tmp_path}/later=C"]), None, None, "n")
+    assert layout.roots == (root, str(other), f"{tmp_path}/later") and not _alias_warnings(caplog)
+    assert dict(layout.bindings) == {root: "A", str(other): "B", f"{tmp_path}/later": "C"}

@@ -164,7 +164,44 @@ def test_the_thread_follows_the_book_and_leaves_nothing_behind() -> None:
         assert headroom(p.current) == Decimal("9.5")
     finally:
         p.close()
-    assert not [t for t in threading.enumerate() if t.name == "analysis"]
+    assert not [t for t in threading.enumerate() if t.name.startswith("analysis")]
+
+
+def test_a_kernel_change_is_placed_while_a_usage_pass_runs() -> None:
+    """The allocation stage never waits for the usage stage: with a usage pass held in the
+    middle (an accountant that blocks), a kernel change still reaches headroom."""
+    entered, release = threading.Event(), threading.Event()
+
+    class Slow(Accountant):
+        def update(self, *args, **kwargs):
+            entered.set()
+            release.wait(10)
+            return super().update(*args, **kwargs)
+
+    book, telemetry = AllocationBook(clock=lambda: 0.0), Telemetry(snapshot("GPU-a"))
+    p = AnalysisPipeline(PipelineConfig(params=HeadroomParams(mode="fractional"), interval=3600), book.view, telemetry,
+                         accountant=Slow())
+    book.subscribe(p.poke)
+    release.set()
+    p.step()
+    release.clear()
+    p.start()
+    try:
+        telemetry.publish(snapshot("GPU-a"))
+        p.sampled()
+        assert entered.wait(5)  # the usage pass is now held
+        book.apply("k1", "/scratch", parse_resource(resource("GPU-a:4")))
+        for _ in range(500):
+            if p.current.view.version == book.version:
+                break
+            threading.Event().wait(0.01)
+        assert headroom(p.current) == Decimal("9.5")
+        assert p.current.sample_version == 1  # the held pass has not published
+    finally:
+        release.set()
+        p.close()
+    assert p.current.sample_version == 2 and headroom(p.current) == Decimal("9.5")
+    assert not [t for t in threading.enumerate() if t.name.startswith("analysis")]
 
 
 def test_what_if_names_the_parameter() -> None:

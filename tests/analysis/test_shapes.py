@@ -12,6 +12,8 @@ from exporter.analysis.shapes import (
     DEFAULT_SHAPES,
     MANAGER_PRIORITY,
     Shape,
+    hami_node_scores,
+    hami_rank,
     rank_agents,
     remaining_totals,
     shape_figures,
@@ -134,3 +136,39 @@ def test_the_ranking_follows_the_priority_list_exactly() -> None:
     assert rank_agents(tied, {SHARES: D(5)}, "dispersed") == ()
     with pytest.raises(ValueError, match="roundrobin"):
         rank_agents(tied, {SHARES: D(1)}, "roundrobin")
+
+
+# -- HAMi's node score and policies -------------------------------------------------------------------
+
+
+def test_hami_node_score_is_ten_times_core_and_memory_ratio_over_registered_capacity() -> None:
+    # 1 + 3 of 8 shares occupied: 10 × (0.5 + 0.5). Blocked shares count in the registered total,
+    # as the agent registers the device whole.
+    state = node(("4", "1", 0), ("4", "3", 0))
+    assert hami_node_scores(state) == {SHARES: D(10)}
+    blocked = NodeState({SHARES: (DeviceFree("GPU-0", D(3), D(1)), DeviceFree("GPU-1", D(4), D(3)))},
+                        blocked={("GPU-0", SHARES): D(1)})
+    assert hami_node_scores(blocked) == {SHARES: D(10)}
+    assert hami_node_scores(NodeState({SHARES: (DeviceFree("GPU-0", D(0), D(0)),)})) == {}
+    figures = shape_figures(state, [Shape.parse("one=cuda.shares:1")])
+    assert figures.hami_scores == {SHARES: D(10)}
+
+
+def test_each_shape_gets_hamis_device_picks() -> None:
+    state = node(("4", "1", 0), ("4", "3", 0), ("4", "0", 1))
+    figures = shape_figures(state, [Shape.parse("one=cuda.shares:1"), Shape.parse("nine=cuda.shares:9"),
+                                    Shape.parse("mig=cuda.device:1g.10gb-mig:1")])
+    picks = {(p.shape, p.policy): (p.placement, p.reason) for p in figures.hami_picks}
+    assert picks[("one", "binpack")] == ({"GPU-1": D(1)}, None)
+    assert picks[("one", "spread")] == ({"GPU-2": D(1)}, None)
+    assert picks[("nine", "binpack")] == (None, "insufficient")
+    assert picks[("mig", "spread")] == (None, "no-devices")
+
+
+def test_binpack_sends_a_request_to_the_fullest_node_that_places_it_spread_to_the_emptiest() -> None:
+    scores = {"a": D(5), "b": D(15), "c": D(15), "d": D(2)}
+    assert hami_rank(scores, "binpack") == ("b", "c", "a", "d")
+    assert hami_rank(scores, "spread") == ("d", "a", "b", "c")
+    assert hami_rank({}, "spread") == ()
+    with pytest.raises(ValueError, match="policy must be one of binpack, spread"):
+        hami_rank(scores, "hami-binpack")

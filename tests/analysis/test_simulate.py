@@ -11,7 +11,18 @@ import pytest
 from exporter.analysis.capacity import GpuInventory
 from exporter.analysis.node import HeadroomParams, Inventory, NodeState, node_state
 from exporter.analysis.pipeline import analyse
-from exporter.analysis.simulate import format_table, load_state, parse_state, result_document, simulate
+from exporter.analysis.simulate import (
+    POLICIES,
+    HamiPolicy,
+    format_table,
+    hami_device_order,
+    hami_score,
+    load_state,
+    parse_policy,
+    parse_state,
+    result_document,
+    simulate,
+)
 from exporter.scratch.allocation import AllocationBook
 from exporter.scratch.resources import parse_resource
 from exporter.telemetry.model import DeviceReading, TelemetrySnapshot
@@ -108,7 +119,9 @@ def test_quantum_note_is_reported() -> None:
 
 
 def test_every_policy_answers() -> None:
-    for policy in ("evenly", "evenly-nofrag", "simple", "besteffort", "compact-first", "low-load-first"):
+    assert POLICIES == ("evenly", "evenly-nofrag", "simple", "besteffort", "compact-first", "low-load-first",
+                        "hami-binpack", "hami-spread")
+    for policy in POLICIES:
         assert simulate(state_doc("1", "0.5"), "cuda.shares=0.5", policy).placed
 
 
@@ -226,3 +239,66 @@ def test_quotients_are_written_without_their_trailing_zeros() -> None:
     assert _amount(Decimal("11.96000000000000000000000000")) == "11.96"
     assert _amount(Decimal("40.00000000000000000000000000")) == "40"
     assert _amount(Decimal("12.00")) == "12.00" and _amount(Decimal("13.5")) == "13.5"  # as written
+
+
+# -- HAMi's device policies -------------------------------------------------------------------------
+
+
+def hami_doc(*devices: tuple[str, str, int | None]) -> dict:
+    """Devices given as (capacity, allocated, NUMA node)."""
+    rows = [{"device_id": f"gpu{i}", "capacity": c, "allocated": a, "numa_node": n} for i, (c, a, n) in enumerate(devices)]
+    return {"quantum": "0.01", "slots": {"cuda.shares": rows}}
+
+
+def test_hami_score_is_ten_times_the_core_and_memory_ratios() -> None:
+    assert hami_score(Decimal(1), Decimal(4)) == Decimal(5)  # 10 × (0.25 + 0.25)
+    assert hami_score(Decimal(4), Decimal(4)) == Decimal(20)
+    assert hami_score(Decimal(1), Decimal(0)) == 0  # no capacity: HAMi scores 0
+
+
+def test_binpack_counts_the_request_in_each_devices_score() -> None:
+    # gpu0 is 40 % used, gpu1 (1.5 shares) empty. The used ratio alone (compact-first) packs onto
+    # gpu0; with the request's 1 share counted, gpu1 would be 67 % used and gpu0 50 %: HAMi's
+    # binpack takes gpu1, spread gpu0.
+    doc = hami_doc(("10", "4", 0), ("1.5", "0", 0))
+    assert simulate(doc, "cuda.shares=1", "compact-first").outcome.amounts == {"gpu0": Decimal("1.00")}
+    binpack = result_document(simulate(doc, "cuda.shares=1", "hami-binpack"))
+    assert binpack["placement"] == {"gpu1": "1.00"} and binpack["policy"] == "hami-binpack"
+    assert binpack["hami_scores"] == {"gpu0": "10.00", "gpu1": "13.3333"}
+    assert result_document(simulate(doc, "cuda.shares=1", "hami-spread"))["placement"] == {"gpu0": "1.00"}
+    assert "hami     device scores, the request's part counted: gpu0 10.00, gpu1 13.3333" in format_table(
+        simulate(doc, "cuda.shares=1", HamiPolicy.BINPACK))
+    assert "hami_scores" not in result_document(simulate(doc, "cuda.shares=1", "evenly"))
+
+
+def test_equal_scores_go_to_the_higher_numa_node_first_then_inventory_order() -> None:
+    doc = hami_doc(("4", "1", 0), ("4", "1", 1), ("4", "1", None), ("4", "1", 1))
+    for policy in ("hami-binpack", "hami-spread"):
+        assert result_document(simulate(doc, "cuda.shares=1", policy))["placement"] == {"gpu1": "1.00"}
+    devices = parse_state(json.dumps(doc)).slots["cuda.shares"]
+    order = [d.device_id for d in hami_device_order(devices, Decimal(1), HamiPolicy.SPREAD)]
+    assert order == ["gpu1", "gpu3", "gpu0", "gpu2"]  # unknown NUMA counts as node 0
+
+
+def test_hami_cuts_a_large_request_into_equal_parts_and_skips_devices_too_full() -> None:
+    # 3 shares: no device has 3 free, so two parts of 1.5; gpu2 (1 free) would score highest but
+    # cannot hold one. Scores with 1.5 counted: gpu1 100 % > gpu0 87.5 % > gpu3 75 %.
+    doc = hami_doc(("4", "2", 0), ("4", "2.5", 0), ("4", "3", 0), ("4", "1.5", 0))
+    binpack = simulate(doc, "cuda.shares=3", "hami-binpack")
+    assert binpack.outcome.amounts == {"gpu1": Decimal("1.50"), "gpu0": Decimal("1.50")}
+    spread = simulate(doc, "cuda.shares=3", "hami-spread")
+    assert spread.outcome.amounts == {"gpu3": Decimal("1.50"), "gpu0": Decimal("1.50")}
+    rejected = result_document(simulate(doc, "cuda.shares=7.5", "hami-binpack"))
+    assert rejected["rejection"]["reason"] == "insufficient" and rejected["hami_scores"]["gpu2"] == "15"
+
+
+def test_hami_takes_whole_free_devices_for_cuda_device() -> None:
+    rows = [{"device_id": str(i), "capacity": "1", "allocated": a, "numa_node": n} for i, (a, n) in enumerate([("1", 1), ("0", 0), ("0", 1)])]
+    doc = {"slots": {"cuda.device": rows}}
+    assert result_document(simulate(doc, "cuda.device=1", "hami-binpack"))["placement"] == {"2": "1"}
+
+
+def test_a_policy_name_outside_the_list_names_the_choices() -> None:
+    assert parse_policy("hami-spread") is HamiPolicy.SPREAD and parse_policy("evenly").value == "evenly"
+    with pytest.raises(ValueError, match="expected one of evenly, .*, hami-binpack, hami-spread$"):
+        parse_policy("binpack")

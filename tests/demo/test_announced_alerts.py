@@ -145,6 +145,7 @@ class Replay:
         settings = Settings.load({
             "scratch_roots": [str(node.scratch)], "path_procfs": str(node.host.proc), "path_cgroupfs": str(node.host.cgroup),
             "agent_id": node.agent_id, "telemetry_interval": 0.02, "telemetry_pcie": True, "stale_grace": 60,
+            "health_state_file": str(node.base / "health.json"),
         })
         with node.machine.installed():
             self.source = NvmlSource(clock=self.wall, event_wait_ms=50, pcie=True)

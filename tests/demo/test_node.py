@@ -3,10 +3,14 @@ binding over the simulated library, procfs attribution, cgroup liveness, the scr
 
 from __future__ import annotations
 
+import json
+import math
 from decimal import Decimal
 from pathlib import Path
 
 import pytest
+from backendai_reference import scan_gpu_alloc_map_ratio
+from helpers import wait_for
 
 from exporter.analysis.attribution import ProcFS, Unattributed, container_id_from_cgroup, mount_roots, parse_start_time
 from exporter.analysis.liveness import scan_cgroups
@@ -16,6 +20,7 @@ from exporter.demo.node import LivingNode
 from exporter.scratch.allocation import KernelState
 from exporter.settings import Settings
 from exporter.telemetry.nvml import NvmlSource
+from exporter.web.server import Request
 
 
 class Clock:
@@ -86,21 +91,27 @@ def test_the_exporter_sees_the_planted_events(tmp_path: Path) -> None:
     clock = Clock()
     node = LivingNode(tmp_path, seed=4, clock=clock)
     settings = Settings(scratch_roots=[node.scratch], path_procfs=node.host.proc, path_cgroupfs=node.host.cgroup,
-                        telemetry_interval=0.05, stale_grace=30)
+                        telemetry_interval=0.05, health_state_file=tmp_path / "health.json", stale_grace=30)
     with node.running():
         exporter = Exporter(resolve(settings), telemetry=NvmlSource(event_wait_ms=50))
         exporter.start()
         try:
             def sample() -> tuple:
                 seen = exporter.sampler.version
-                exporter.sampler.wait_for_version(seen, 5)
+                assert exporter.sampler.wait_for_version(seen, 5)
                 exporter.pipeline.step()
                 model = exporter.analysis
                 return model.snapshot, model.attribution
 
-            snap, attribution = sample()
+            def busy() -> tuple | None:
+                snap, attribution = sample()
+                return (snap, attribution) if any(k.utilization_ratio and k.utilization_ratio > 0.5
+                                                  for k in attribution.kernels) else None
+
+            # NVML's per-process utilisation covers the time since the previous sample: the first
+            # samples may have none yet.
+            snap, attribution = wait_for(busy, 5)
             assert any(u.reason is Unattributed.HOST for u in attribution.unattributed)
-            assert any(k.utilization_ratio and k.utilization_ratio > 0.5 for k in attribution.kernels)  # busy
             assert any(k.allocated and k.processes and k.utilization_ratio == 0 for k in attribution.kernels)  # idle
             assert any(k.allocated and not k.processes for k in attribution.kernels)  # no process yet
             play(node, clock, 65)
@@ -123,3 +134,107 @@ def test_the_exporter_sees_the_planted_events(tmp_path: Path) -> None:
 def test_a_time_scale_must_be_positive(tmp_path: Path, scale: float) -> None:
     with pytest.raises(ValueError, match="time scale"):
         LivingNode(tmp_path, seed=1, time_scale=scale)
+
+
+def _series(text: str, name: str, **labels: str) -> float | None:
+    """The value of the one sample of ``name`` whose labels include ``labels``, or None."""
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def test_the_demo_writes_what_a_current_plugin_writes(tmp_path: Path) -> None:
+    """No cuda.mem anywhere; the ratio alloc map is what Backend.AI 26.9.6 answers, dividing each
+    allocation by the one capacity its device registers (cuda.shares of a whole GPU, 1 for a MIG
+    device)."""
+    clock = Clock()
+    node = LivingNode(tmp_path, seed=7, clock=clock)
+    settings = Settings(scratch_roots=[node.scratch], path_procfs=node.host.proc, path_cgroupfs=node.host.cgroup,
+                        telemetry_interval=0.05, health_state_file=tmp_path / "health.json", alloc_map_format="ratio")
+    with node.running():
+        assert all("cuda.mem" not in s.allocations for s in node.sessions.values())
+        exporter = Exporter(resolve(settings), telemetry=NvmlSource(event_wait_ms=50))
+        exporter.start()
+        try:
+            caps = {("cuda.shares", node.device_id(g)): node._capacity[g] for g in node._shares_gpus}
+            caps |= {(slot, node.device_id(g, m)): Decimal(1) for g, m, slot in node._mig_devices()}
+            for until in (0, 40):  # at the start, and with sessions that arrived since
+                play(node, clock, until)
+                exporter.watcher.request_rescan()
+                texts = [p.read_text() for p in sorted(node.scratch.glob("*/config/resource.txt"))]
+                assert texts and not any("CUDA.MEM" in t for t in texts)
+                expected = scan_gpu_alloc_map_ratio(texts, caps)
+
+                def answer(expected: dict[str, str] = expected) -> bool:
+                    exporter.pipeline.step()
+                    r = exporter.routes.handle(Request(method="GET", path="/api/v1/alloc-map", query={"format": ["ratio"]}, headers={}))
+                    return r.status == 200 and json.loads(r.body) == expected
+
+                wait_for(answer, 5)
+                assert all(Decimal(v) <= 1 for v in expected.values())  # ratios, not raw amounts
+        finally:
+            exporter.close()
+
+
+def test_ghost_memory_and_latched_health_until_a_reset(tmp_path: Path) -> None:
+    """The session that ends at +2:30 leaves its process's memory behind: ghost memory, named by
+    its session, out of the GPU's usable capacity, within one telemetry sample. The lost GPU and
+    the remapped one stay lost / needs_reset until the demo resets them."""
+    clock = Clock()
+    node = LivingNode(tmp_path, seed=7, clock=clock)
+    settings = Settings(scratch_roots=[node.scratch], path_procfs=node.host.proc, path_cgroupfs=node.host.cgroup,
+                        telemetry_interval=0.05, health_state_file=tmp_path / "health.json", stale_grace=30)
+    with node.running():
+        ghost = next(p for p in node.promises if p.alert == "GpuAllocGhostMemory")
+        gpu_of = {node.device_id(i): i for i in range(len(node.machine.gpus))}
+        ghost_device = dict(ghost.labels)["device_id"]
+        (lost,), (remap,) = ({dict(p.labels)["device_id"] for p in node.promises if p.alert == name}
+                             for name in ("GpuAllocGpuLost", "GpuAllocGpuResetPending"))
+        ghosted = next(s for s in node.sessions.values() if s.planted.startswith("ends at"))
+        held = sum(p.memory for p in ghosted.processes)
+        exporter = Exporter(resolve(settings), telemetry=NvmlSource(event_wait_ms=50))
+        exporter.start()
+        try:
+            def metrics() -> str:
+                """The exposition after the first telemetry sample taken wholly from now on."""
+                seen = exporter.sampler.version
+                assert exporter.sampler.wait_for_version(seen + 1, 5)  # the one under way may predate now
+                exporter.pipeline.step()
+                return exporter.render().decode()
+
+            def health(text: str, device: str) -> str | None:
+                return next((s for s in ("ok", "degraded", "needs_reset", "lost", "unknown")
+                             if _series(text, "gpu_alloc_device_health", device_id=device, state=s) == 1), None)
+
+            play(node, clock, ghost.onset - 1)
+            text = metrics()
+            assert not _series(text, "gpu_alloc_device_ghost_memory_bytes", device_id=ghost_device, cause="dead_process")
+            capacity = _series(text, "gpu_alloc_device_capacity", device_id=ghost_device, slot="cuda.shares")
+            assert capacity == float(node._capacity[gpu_of[ghost_device]])
+            assert health(text, lost) == "lost" and health(text, remap) == "needs_reset"
+
+            play(node, clock, ghost.onset)  # the session ends; one telemetry sample later:
+            text = metrics()
+            assert _series(text, "gpu_alloc_device_ghost_memory_bytes", device_id=ghost_device, cause="dead_process") == held
+            assert _series(text, "gpu_alloc_ghost_memory_holder_info", device_id=ghost_device, kernel_id=ghosted.kernel_id,
+                           session_id=ghosted.session_id) == 1
+            # The memory the SM bound leaves spare takes the first 12.5 GiB; the rest costs whole shares.
+            spare = node.machine.gpus[gpu_of[ghost_device]].memory_total - node.machine.gpus[gpu_of[ghost_device]].memory_reserved \
+                - capacity * 2 * 1024**3
+            lost_shares = _series(text, "gpu_alloc_device_capacity", device_id=ghost_device, slot="cuda.shares")
+            assert lost_shares == capacity - math.ceil((held - spare) / (2 * 1024**3) * 100) / 100 < capacity
+
+            play(node, clock, 181)  # GPU 5 was reset at +3:00: cleared once a sample reads it again
+            wait_for(lambda: health(metrics(), lost) == "ok", 5)
+            play(node, clock, ghost.ends)
+            text = metrics()
+            assert not _series(text, "gpu_alloc_device_ghost_memory_bytes", device_id=ghost_device, cause="dead_process")
+            assert _series(text, "gpu_alloc_device_capacity", device_id=ghost_device, slot="cuda.shares") == capacity
+            reset_at = next(p.ends for p in node.promises if p.alert == "GpuAllocGpuResetPending")
+            play(node, clock, reset_at - 1)
+            assert health(metrics(), remap) == "needs_reset"  # 15 minutes on, still latched
+            play(node, clock, reset_at)
+            wait_for(lambda: health(metrics(), remap) == "ok", 5)
+        finally:
+            exporter.close()

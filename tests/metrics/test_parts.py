@@ -130,7 +130,7 @@ def test_the_accounting_text_is_what_prometheus_client_writes() -> None:
         shares={("k1", "GPU-a"): 0.5, (odd, "GPU-b"): 1.0},
         kernels={"k1": KernelUse(0.25, None), odd: KernelUse(None, 1.0), "k3": KernelUse(None, None)},
         allocated_seconds={("k1", "GPU-a"): 12.5, (odd, "GPU-b"): 3.0, ("gone", "GPU-a"): 7.0},
-        used_seconds={("k1", "GPU-a"): 1e-9},
+        busy_seconds={("k1", "GPU-a"): 1e-9},
     )
     text = AccountingText()
     assert text.render(result) == render_families(accounting_families(result))

@@ -16,7 +16,7 @@ from exporter.demo import write_kernel, write_recovery
 from exporter.scratch import reader as reader_module
 from exporter.scratch.allocation import AllocationBook, KernelState
 from exporter.scratch.reader import Scanner, read_kernel
-from exporter.scratch.resources import Pending, parse_resource
+from exporter.scratch.resources import Pending, ResourceParseError, parse_resource
 
 SAMPLES = sorted((FIXTURES / "resources").glob("*.txt"))
 SAMPLES_26 = sorted((FIXTURES / "resources-26").glob("*.txt"))
@@ -118,6 +118,40 @@ def test_running_totals_equal_a_fresh_sum_after_random_churn() -> None:
                     fresh[(dev, slot)] = fresh.get((dev, slot), Decimal(0)) + amt
     assert {k: v for k, v in view.device_totals.items()} == fresh
     assert book.view().alloc_map == view.alloc_map
+
+
+def test_state_counts_kept_as_kernels_change_equal_a_recount() -> None:
+    rng = random.Random(11)
+    book = AllocationBook()
+    outcomes = [parse_resource(GOOD), parse_resource(GOOD.replace("0.5", "0.25")), Pending("missing SLOTS")]
+    for step in range(2000):
+        kid = f"k{rng.randrange(40)}"
+        roll = rng.random()
+        if roll < 0.2:
+            book.remove(kid)
+        elif roll < 0.25:
+            book.remove_many([f"k{rng.randrange(40)}" for _ in range(5)])
+        elif roll < 0.35:
+            book.apply(kid, "/r", ResourceParseError("/r/x", 1, "bad"))
+        else:
+            book.apply(kid, "/r", rng.choice(outcomes))
+        if step % 97 == 0:
+            view = book.view()
+            recount = {s: sum(k.state is s for k in view.kernels.values()) for s in KernelState}
+            assert dict(view.state_counts) == recount
+
+
+def test_kernels_removed_together_are_one_change() -> None:
+    book = AllocationBook()
+    changes = []
+    book.subscribe(lambda: changes.append(1))
+    for i in range(5):
+        book.apply(f"k{i}", "/r", parse_resource(GOOD))
+    version, changes[:] = book.version, []
+    assert book.remove_many(["k0", "k1", "k2", "gone", "k1"]) == 3
+    assert book.version == version + 1 and changes == [1]
+    assert sorted(book.view().kernels) == ["k3", "k4"] and book.view().alloc_map == {"GPU-a": "1.0"}
+    assert book.remove_many(["gone"]) == 0 and book.version == version + 1 and changes == [1]
 
 
 def test_a_scratch_tree_of_backendai_samples_matches_what_the_agent_reads_back(tmp_path: Path) -> None:

@@ -317,3 +317,104 @@ def test_events_about_the_root_itself_are_never_a_kernel(watched) -> None:
     write_kernel(root, "k2", {"cuda.shares": {"GPU-a": Decimal("0.25")}})
     wait_for(lambda: "k2" in book.view().kernels)
     assert "" not in book.view().kernels
+
+
+class _ThreadReads(Scanner):
+    """A real scanner that records the reads and removals made by the test's own thread."""
+
+    def __init__(self, book: AllocationBook) -> None:
+        super().__init__(book)
+        self.mine: list[tuple] = []
+        self._me = threading.current_thread()
+
+    def refresh(self, root: str, kernel_id: str, closed: bool = False) -> None:
+        if threading.current_thread() is self._me:
+            self.mine.append(("read", kernel_id, closed))
+        super().refresh(root, kernel_id, closed)
+
+    def refresh_identity(self, root: str, kernel_id: str) -> None:
+        if threading.current_thread() is self._me:
+            self.mine.append(("identity", kernel_id))
+        super().refresh_identity(root, kernel_id)
+
+
+@pytest.fixture
+def held(tmp_path: Path):
+    """50 kernels read by the start, their watches armed, and the watcher's lock held by the test:
+    the reader thread waits at its next event while the test hands over the events of one read
+    itself (``_on_event`` for each, then ``_flush``, as the reader does)."""
+    from watchdog.observers.inotify_c import InotifyConstants as IN
+    from watchdog.observers.inotify_c import InotifyEvent
+
+    for i in range(50):
+        write_kernel(tmp_path, f"k{i:02d}", {"cuda.shares": {"GPU-a": Decimal("0.01")}}, cpus=1)
+    book = AllocationBook()
+    scanner = _ThreadReads(book)
+    with ScratchWatcher(scanner, [str(tmp_path)], rescan_interval=3600) as watcher:
+        wait_for(lambda: watcher.status().watches == 51)
+        root_wd = watcher._root_watch[str(tmp_path)].wd
+
+        def event(kernel_id: str, mask: int, name: str | None = None) -> None:
+            wd = root_wd if name is None else watcher._kernel_watch[(str(tmp_path), kernel_id)].wd
+            watcher._on_event(InotifyEvent(wd, mask | (IN.IN_ISDIR if name is None else 0), 0, (name or kernel_id).encode()))
+
+        with watcher._lock:
+            yield tmp_path, book, scanner, watcher, event, IN
+
+
+def test_kernels_deleted_in_one_read_are_forgotten_as_one_change_without_reading(held) -> None:
+    root, book, scanner, watcher, event, IN = held
+    assert book.view().alloc_map == {"GPU-a": "0.50"}
+    version = book.version
+    for i in range(40):
+        shutil.rmtree(root / f"k{i:02d}")
+        event(f"k{i:02d}", IN.IN_DELETE, "resource.txt")  # rm -rf unlinks the file before the directory
+        event(f"k{i:02d}", IN.IN_DELETE)
+    watcher._flush()
+    assert scanner.mine == []  # nothing left to read of a kernel that went
+    assert book.version == version + 1  # one change, so one analysis pass, for all 40
+    assert sorted(book.view().kernels) == [f"k{i:02d}" for i in range(40, 50)]
+    assert book.view().alloc_map == {"GPU-a": "0.10"}
+    assert watcher.status().watches == 11
+
+
+def test_a_kernel_gone_and_back_within_one_read_is_read_again_not_forgotten(held) -> None:
+    root, book, scanner, watcher, event, IN = held
+    shutil.rmtree(root / "k00")
+    event("k00", IN.IN_DELETE)
+    write_kernel(root, "k00", {"cuda.shares": {"GPU-a": Decimal("0.25")}}, cpus=1)
+    event("k00", IN.IN_CREATE)
+    shutil.rmtree(root / "k01")
+    event("k01", IN.IN_DELETE)
+    write_kernel(root, "k01", {"cuda.shares": {"GPU-a": Decimal("0.5")}}, cpus=1)  # its event in a later read
+    watcher._flush()
+    assert sorted(scanner.mine) == [("identity", "k01"), ("read", "k00", False), ("read", "k01", False)]
+    assert book.view().kernels["k00"].allocations[0].amount == Decimal("0.25")
+    assert book.view().kernels["k01"].allocations[0].amount == Decimal("0.5")
+
+
+def test_a_file_written_and_closed_within_one_read_is_read_once_as_closed(held) -> None:
+    root, book, scanner, watcher, event, IN = held
+    path = root / "k00" / "config" / "resource.txt"
+    path.write_text(FULL.replace("0.5", "0.75").rstrip("\n"))  # no final newline: complete only once closed
+    event("k00", IN.IN_CREATE, "resource.txt")
+    event("k00", IN.IN_CLOSE_WRITE, "resource.txt")
+    event("k00", IN.IN_CLOSE_WRITE, "recovery.json")
+    event("k01", IN.IN_CLOSE_WRITE, "resource.txt")
+    event("k01", IN.IN_CREATE, "resource.txt")  # written again since its close: not known complete
+    watcher._flush()
+    assert sorted(scanner.mine) == [("identity", "k00"), ("read", "k00", True), ("read", "k01", False)]
+    assert book.view().kernels["k00"].state is KernelState.OK
+
+
+def test_a_kernel_moved_away_whose_watch_still_reports_is_forgotten_with_its_watch(held) -> None:
+    root, book, scanner, watcher, event, IN = held
+    away = root.parent / f"{root.name}-away"
+    away.mkdir()
+    (root / "k00").rename(away / "k00")
+    event("k00", IN.IN_MOVED_FROM)
+    event("k00", IN.IN_CLOSE_WRITE, "resource.txt")  # written in its new place: its watch followed it
+    watcher._flush()
+    assert scanner.mine == [("read", "k00", True)]
+    assert "k00" not in book.view().kernels
+    assert ("k00" not in {k for _, k in watcher._kernel_watch}) and watcher.status().watches == 50

@@ -94,9 +94,16 @@ def test_values_follow_the_injected_clock_deterministically() -> None:
     now[0] = 1060.0
     later = readings(a)
     assert later[0].utilization_gpu_ratio != first[0].utilization_gpu_ratio
-    # The energy counter starts at 0 and integrates the power drawn since the last reading.
+    # The energy counter starts at 0 and integrates the power pattern, each 1/6 s sampling period
+    # at its value at the period's start, whenever it is read.
     assert first[0].energy_joules == 0
-    assert later[0].energy_joules == pytest.approx(60 * first[0].power_usage_watts)
+    power = parse_mock_file(UPSTREAM.read_text(), "x").gpus[0].patterns["power_watts"]
+    period = 166_667  # µs
+    start, end = 1000 * 10**6 // period, 1060 * 10**6 // period
+    drawn = sum(round(1000 * power.at(k * period / 1e6)) * period for k in range(start, end))  # mW x µs
+    drawn += round(1000 * power.at(end * period / 1e6)) * (1060 * 10**6 - end * period)
+    drawn -= round(1000 * power.at(start * period / 1e6)) * (1000 * 10**6 - start * period)
+    assert later[0].energy_joules == drawn // 10**6 / 1000
     assert readings(a)[0].energy_joules == later[0].energy_joules  # a frozen clock adds nothing
     a.close()
     b.close()

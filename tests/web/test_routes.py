@@ -1,15 +1,20 @@
-"""The JSON documents the routes serve: ``/api/v1/state`` text cached per change and per kernel."""
+"""The JSON documents the routes serve: ``/api/v1/state`` text cached per change and per kernel, and
+``/api/v1/placeable`` from the published shape figures."""
 
 from __future__ import annotations
 
 import json
 from decimal import Decimal
+from typing import NoReturn
 
 from exporter.analysis.model import NodeState
 from exporter.analysis.placement import DeviceFree
+from exporter.analysis.shapes import Shape
 from exporter.metrics.documents import StateText, json_default, state_document
 from exporter.scratch.allocation import AllocationBook
 from exporter.scratch.resources import Allocation, ResourceSpec
+from exporter.web.routes import Routes, Served
+from exporter.web.server import Request
 
 
 def spec(*allocs: tuple[str, str, str]) -> ResourceSpec:
@@ -38,3 +43,48 @@ def test_state_text_equals_the_document_and_is_reused_until_something_moves() ->
     assert second == expected(book.view(), roots, node)
     other = NodeState({"cuda.shares": (DeviceFree("GPU-a", Decimal("13.5"), Decimal("1.25")),)})
     assert text.render(book.view(), roots, other) == expected(book.view(), roots, other)
+
+
+# -- /api/v1/placeable -------------------------------------------------------------------------------
+
+
+def placeable_routes(shapes: tuple) -> Routes:
+    from exporter.analysis.node import HeadroomParams
+    from exporter.analysis.pipeline import analyse
+    from exporter.telemetry.model import DeviceReading, TelemetrySnapshot
+
+    book = AllocationBook(clock=lambda: 1.0)
+    # GPU-0 holds 1.5 of its 2 shares, GPU-1 1.25: 1.25 free in all, at most 0.75 in one piece.
+    book.apply("k1", "/r", spec(("cuda.shares", "GPU-0", "1.5"), ("cuda.shares", "GPU-1", "1.25")))
+    snapshot = TelemetrySnapshot(source="mock", success=True, devices=tuple(
+        DeviceReading(uuid=f"GPU-{i}", index=i, memory_total_bytes=4 << 30, multiprocessor_count=16) for i in range(2)))
+    model = analyse(book.view(), snapshot, HeadroomParams(), shapes=shapes)
+
+    def unread(*_: object) -> NoReturn:
+        raise AssertionError("/api/v1/placeable reads only the read model")
+
+    return Routes(Served(view=unread, model=lambda: model, render=unread, render_cached=unread, ready=unread, watcher=unread))
+
+
+def test_placeable_answers_per_shape_with_reasons_and_hami_figures() -> None:
+    shapes = (Shape.parse("half=cuda.shares:0.5,cpu:2"), Shape.parse("one=cuda.shares:1"))
+    routes = placeable_routes(shapes)
+    response = routes.handle(Request("GET", "/api/v1/placeable", {}, {}))
+    assert response.status == 200 and response.content_type == "application/json"
+    doc = json.loads(response.body)
+    assert doc["remaining"] == {"cuda.shares": "1.25"}
+    assert doc["hami_node_scores"] == {"cuda.shares": "13.7500"}  # 10 × 2 × 2.75 / 4
+    half, one = doc["shapes"]
+    assert half["request"] == {"cuda.shares": "0.5", "cpu": "2"} and half["slot"] == "cuda.shares"
+    assert half["placeable"] == {"allowed": True, "disallowed": True} and half["reason"] == {"allowed": None, "disallowed": None}
+    assert half["hami"]["binpack"] == {"placed": True, "placement": {"GPU-0": "0.50"}, "reason": None}
+    assert half["hami"]["spread"]["placement"] == {"GPU-1": "0.50"} and half["hami"]["node_score"] == "13.7500"
+    # 1.25 left covers 1 in total; no device holds 1, the guard refuses a split.
+    assert one["remaining"] == "1.25" and one["placeable"] == {"allowed": True, "disallowed": False}
+    assert one["reason"]["disallowed"] == "fragmented"
+    only = json.loads(routes.handle(Request("GET", "/api/v1/placeable", {"shape": ["one"]}, {})).body)
+    assert [s["shape"] for s in only["shapes"]] == ["one"]
+    missing = routes.handle(Request("GET", "/api/v1/placeable", {"shape": ["two"]}, {}))
+    assert missing.status == 404
+    assert missing.body == b"parameter shape: no shape 'two' is configured (--fleet.shape; shapes: half, one)\n"
+    assert not routes.routes["/api/v1/placeable"].offload  # formats published figures only

@@ -25,6 +25,24 @@ re-enumerated on every cycle, so a reconfiguration shows up without a restart.
 XID events are read by a dedicated thread from an NVML event set (``nvmlEventSetWait`` with a
 bounded timeout, so it can stop), counted per (GPU, XID) outside the sampling path.
 
+Busy time: per GPU, one read of the driver's utilisation sample buffers per cycle, the
+per-process samples first (``nvmlDeviceGetProcessesUtilizationInfo``, on older drivers
+``nvmlDeviceGetProcessUtilization``), then the GPU's (``nvmlDeviceGetSamples``,
+``NVML_GPU_UTILIZATION_SAMPLES``), each asked only for samples newer than the newest already read
+(NVML's ``lastSeenTimeStamp``), so nothing counts twice and nothing is skipped whatever the read
+interval. Each GPU sample adds value x (its timestamp - the GPU's previous sample) to
+``busy_seconds``; each process sample adds its SM % x (its timestamp - the GPU sample before it) to
+that process's ``process_busy_seconds`` (the GPU's samples are the time grid: the driver writes
+process samples only for processes that ran, so an idle process adds nothing), and the mean of a
+process's samples is ``process_utilization``. ``NOT_FOUND`` (nothing newer) reads as idle. The
+driver's buffers are bounded: when the first new GPU sample lies more than 1.5 sampling periods
+(as the samples are spaced) after the last one read and the read returned a full buffer (as many
+samples as any read did), the samples between were dropped before this read; that span, the first
+new sample's included, counts into ``busy_unmeasured_seconds`` and in neither busy counter (no
+estimate is made). With room to spare in the buffer such a gap means the driver took no samples
+(an idle GPU): the first new sample covers one period, as does any process sample. The first read of a GPU (or after a driver reload)
+sets the starting point: counters at 0. Sums are kept in whole % x µs, so they are exact.
+
 SM counts: NVML reports ``multiprocessorCount`` for MIG device handles only; whole GPUs take theirs
 (and the memory CUDA can allocate) from the CUDA driver API (:mod:`exporter.telemetry.nvml.cuda`),
 asked once per ``nvmlInit`` and matched to NVML's devices by UUID, then PCI bus id, so
@@ -34,14 +52,16 @@ table of known models.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import ctypes
 import logging
 import math
+import statistics
 import threading
 import time
-from collections.abc import Callable, Hashable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable, Iterator, Mapping
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, TypeVar
 
@@ -89,6 +109,10 @@ _NO_ID = 0xFFFFFFFF  # GI/CI id of a process when MIG is off
 _PROFILE_REV1 = (7, 8)  # NVML_GPU_INSTANCE_PROFILE_*_SLICE_REV1: the "+me" profiles
 _PCIE_KB = 1024  # nvmlDeviceGetPcieThroughput reports KB/s
 _LOG_ONCE_LIMIT = 1024
+_PCT_US_PER_SECOND = 100 * 1_000_000  # busy sums are kept in % x µs
+_TICKS_KEPT = 4096  # GPU sample timestamps kept as the time grid of per-process samples still to come
+# nvmlValue_t member by nvmlValueType_t (NVML_VALUE_TYPE_DOUBLE … UNSIGNED_SHORT)
+_VALUE_MEMBERS = ("dVal", "uiVal", "ulVal", "ullVal", "sllVal", "siVal", "usVal")
 
 
 def _pynvml() -> Any:
@@ -171,6 +195,82 @@ def _scaled(value: float | None, factor: float) -> float | None:
     return None if value is None else value * factor
 
 
+@dataclass(slots=True)
+class _Usage:
+    """One GPU's busy-time integration between reads (see "Busy time" above); timestamps in µs."""
+
+    device_seen: int | None = None  # newest GPU sample integrated; None: not started
+    process_seen: int = 0  # newest per-process sample read (lastSeenTimeStamp of the next read)
+    period: int | None = None  # the driver's sampling period, as its samples are spaced
+    capacity: int = 0  # the most samples one read returned: the driver's buffer, once it was full
+    ticks: list[int] = field(default_factory=list)  # GPU sample times, ascending: the process grid
+    lost: list[tuple[int, int]] = field(default_factory=list)  # (start, end] spans the buffer had dropped
+    busy: int = 0  # % x µs
+    unmeasured: int = 0  # µs
+    processes: dict[int, int] = field(default_factory=dict)  # pid -> % x µs
+
+    def add_device(self, samples: list[tuple[int, float]]) -> None:
+        """Integrate the GPU's samples (timestamp, %) newer than the last read."""
+        samples = sorted(x for x in samples if self.device_seen is None or x[0] > self.device_seen)
+        if not samples:
+            return
+        spacing = [b[0] - a[0] for a, b in zip(samples, samples[1:], strict=False) if b[0] > a[0]]
+        if spacing:
+            self.period = statistics.median_low(spacing)
+        full, self.capacity = len(samples) >= self.capacity, max(self.capacity, len(samples))
+        previous, first = self.device_seen, 0
+        if previous is None:  # the starting point: what came before is not counted
+            self.ticks = [ts for ts, _ in samples][-_TICKS_KEPT:]
+            self.device_seen = self.process_seen = samples[-1][0]
+            return
+        if self.period is not None and 2 * (samples[0][0] - previous) > 3 * self.period:
+            if full:
+                # A full buffer that does not reach back to the last read dropped the samples
+                # between: that span is unmeasured.
+                self.unmeasured += samples[0][0] - previous
+                self.lost.append((previous, samples[0][0]))
+                previous, first = samples[0][0], 1
+            else:
+                # Room to spare, yet nothing between: the driver took no samples, as for an idle
+                # GPU; the first new sample covers one period.
+                previous = samples[0][0] - self.period
+        for ts, value in samples[first:]:
+            self.busy += round(value * (ts - previous))
+            previous = ts
+        self.ticks.extend(ts for ts, _ in samples)
+        del self.ticks[:-_TICKS_KEPT]
+        self.device_seen = samples[-1][0]
+
+    def add_processes(self, samples: list[tuple[int, int, float]]) -> None:
+        """Integrate per-process samples (timestamp, pid, SM %) on the grid of the GPU's samples."""
+        for ts, pid, value in sorted(samples):
+            if ts <= self.process_seen:  # before the starting point, or read already
+                continue
+            i = bisect.bisect_left(self.ticks, ts)
+            if i == 0 or any(start < ts <= end for start, end in self.lost):
+                continue  # no GPU sample before it is known, or its span is unmeasured
+            # At most one sampling period: no GPU sample between means no activity there.
+            span = ts - self.ticks[i - 1] if self.period is None else min(ts - self.ticks[i - 1], self.period)
+            self.processes[pid] = self.processes.get(pid, 0) + round(value * span)
+        if samples:
+            self.process_seen = max(self.process_seen, max(ts for ts, _, _ in samples))
+        # Keep the grid a later process sample may need: from the GPU sample at or before the cursor.
+        keep = max(0, bisect.bisect_right(self.ticks, self.process_seen) - 1)
+        del self.ticks[:keep]
+        self.lost = [span for span in self.lost if span[1] > self.process_seen]
+
+
+@dataclass(frozen=True, slots=True)
+class _BusyReading:
+    process_utilization: Mapping[int, float] | None
+    process_busy_seconds: Mapping[int, float] | None
+    busy_seconds: float | None
+    busy_unmeasured_seconds: float | None
+
+
+_NO_USAGE = _BusyReading(None, None, None, None)
+
+
 class NvmlSource:
     """Reads every GPU through NVML.
 
@@ -202,7 +302,7 @@ class NvmlSource:
         self._missing: set[str] = set()  # calls this driver lacks
         self._noted: set[tuple[str, str, int | None]] = set()
         self._identity: dict[int, _Identity] = {}
-        self._utilization_seen: dict[str, int] = {}  # GPU uuid -> newest process sample (µs)
+        self._usage: dict[str, _Usage] = {}  # GPU uuid -> its busy-time integration
         self._profiles: dict[str, tuple[_Profile, ...]] = {}
         self._xids: dict[tuple[str, int], XidCounter] = {}
         self._xid_thread: threading.Thread | None = None
@@ -220,7 +320,7 @@ class NvmlSource:
         if not self._initialised:
             self._missing.clear()
             self._identity.clear()
-            self._utilization_seen.clear()
+            self._usage.clear()  # a new driver session: the busy counters restart
             self._profiles.clear()
             try:
                 pynvml.nvmlInit()
@@ -401,6 +501,9 @@ class NvmlSource:
         numa = self._get(uuid, pynvml.nvmlDeviceGetNumaNodeId, h)
         attributes = self._get(uuid, pynvml.nvmlDeviceGetAttributes_v2, h)  # MIG handles only, per nvml.h
         readable, instances, capacity, migs = self._mig(uuid, h) if mig_on else (None, (), None, ())
+        processes = self._processes(uuid, h)
+        # NVML keeps no utilisation samples of a MIG-enabled GPU.
+        usage = _NO_USAGE if mig_on else self._busy(uuid, h, processes)
         # Whole GPUs: NVML has no SM count; take CUDA's (and its memory size), else the model table.
         cuda = None if mig_on else self._cuda_device(uuid, identity.pci_bus_id)
         sms = attributes.multiprocessorCount if attributes is not None else None
@@ -454,8 +557,11 @@ class NvmlSource:
             mig_devices=migs,
             gpu_instances=instances,
             mig_profile_capacity=capacity,
-            processes=self._processes(uuid, h),
-            process_utilization=None if mig_on else self._process_utilization(uuid, h),
+            processes=processes,
+            process_utilization=usage.process_utilization,
+            process_busy_seconds=usage.process_busy_seconds,
+            busy_seconds=usage.busy_seconds,
+            busy_unmeasured_seconds=usage.busy_unmeasured_seconds,
             multiprocessor_count=sms,
             allocatable_memory_bytes=cuda.memory_total_bytes if cuda is not None else None,
             numa_node=numa if numa is not None and numa >= 0 else None,
@@ -523,30 +629,66 @@ class NvmlSource:
             for p in processes
         )
 
-    def _process_utilization(self, uuid: str, h: Any) -> MappingProxyType[int, float] | None:
-        """pid -> mean SM utilisation (0-1) over the samples since the last call (``nvidia-smi pmon``)."""
+    def _samples(self, call: Callable[[], T], empty: T) -> T:
+        """A sample-buffer read; NOT_FOUND (nothing newer than asked) is ``empty``: nothing ran."""
         pynvml = _pynvml()
-        since = self._utilization_seen.get(uuid, 0)
+        try:
+            return call()
+        except pynvml.NVMLError as exc:
+            # SUCCESS from a size probe (raised as an error by the binding): no samples at all.
+            if exc.value in (pynvml.NVML_SUCCESS, _NOT_FOUND):
+                return empty
+            raise
 
-        def samples() -> list[Any]:
-            try:
-                return pynvml.nvmlDeviceGetProcessUtilization(h, since)
-            except pynvml.NVMLError as exc:
-                # NOT_FOUND: no samples since `since`; SUCCESS from the size probe (raised as an
-                # error by the binding): none at all. Either way nothing ran.
-                if exc.value in (pynvml.NVML_SUCCESS, _NOT_FOUND):
-                    return []
-                raise
+    def _process_samples(self, uuid: str, h: Any, since: int) -> list[tuple[int, int, float]] | None:
+        """(µs, pid, SM %) of the per-process samples newer than ``since``; None when unreadable."""
+        pynvml = _pynvml()
+        found = self._query(
+            uuid,
+            ("nvmlDeviceGetProcessesUtilizationInfo", lambda: self._samples(lambda: pynvml.nvmlDeviceGetProcessesUtilizationInfo(h, since), [])),
+            ("nvmlDeviceGetProcessUtilization", lambda: self._samples(lambda: pynvml.nvmlDeviceGetProcessUtilization(h, since), [])),
+        )
+        return None if found is None else [(int(x.timeStamp), int(x.pid), float(x.smUtil)) for x in found]
 
-        found = self._query(uuid, ("nvmlDeviceGetProcessUtilization", samples))
+    def _device_samples(self, uuid: str, h: Any, since: int) -> list[tuple[int, float]] | None:
+        """(µs, %) of the GPU-utilisation samples newer than ``since``; None when unreadable."""
+        pynvml = _pynvml()
+        found = self._query(
+            uuid,
+            ("nvmlDeviceGetSamples",
+             lambda: self._samples(lambda: pynvml.nvmlDeviceGetSamples(h, pynvml.NVML_GPU_UTILIZATION_SAMPLES, since), (0, []))),
+        )
         if found is None:
             return None
-        per_pid: dict[int, list[int]] = {}
-        for sample in found:
-            per_pid.setdefault(int(sample.pid), []).append(sample.smUtil)
-            since = max(since, int(sample.timeStamp))
-        self._utilization_seen[uuid] = since
-        return MappingProxyType({pid: sum(v) / len(v) / 100 for pid, v in per_pid.items()})
+        value_type, samples = found
+        member = _VALUE_MEMBERS[value_type] if 0 <= value_type < len(_VALUE_MEMBERS) else "uiVal"
+        return [(int(x.timeStamp), float(getattr(x.sampleValue, member))) for x in samples]
+
+    def _busy(self, uuid: str, h: Any, processes: tuple[GpuProcess, ...] | None) -> _BusyReading:
+        """Busy time and per-process utilisation from one read of the GPU's sample buffers."""
+        usage = self._usage.setdefault(uuid, _Usage())
+        # Processes first: a process sample is never newer than the GPU samples read after it.
+        proc = self._process_samples(uuid, h, usage.process_seen)
+        device = self._device_samples(uuid, h, usage.device_seen or 0)
+        utilization = None
+        if proc is not None:
+            per_pid: dict[int, list[float]] = {}
+            for _, pid, value in proc:
+                per_pid.setdefault(pid, []).append(value)
+            utilization = MappingProxyType({pid: sum(v) / len(v) / 100 for pid, v in per_pid.items()})
+        if device is None:
+            # No time grid this cycle: both cursors stay, so the next read integrates these samples.
+            return _BusyReading(utilization, None, None, None)
+        usage.add_device(device)
+        busy, unmeasured = usage.busy / _PCT_US_PER_SECOND, usage.unmeasured / 1_000_000
+        if proc is None:
+            return _BusyReading(None, None, busy, unmeasured)
+        usage.add_processes(proc)
+        # Processes NVML lists (idle ones at their count) and those sampled; the others are gone.
+        current = {pid for _, pid, _ in proc} | ({p.pid for p in processes} if processes is not None else set(usage.processes))
+        usage.processes = {pid: usage.processes.get(pid, 0) for pid in current}
+        per_process = MappingProxyType({pid: count / _PCT_US_PER_SECOND for pid, count in sorted(usage.processes.items())})
+        return _BusyReading(utilization, per_process, busy, unmeasured)
 
     # -- MIG -------------------------------------------------------------------------------
 

@@ -40,9 +40,11 @@ Extensions (all optional; Backend.AI ignores unknown keys). Devices may also be 
   ``power_limit_watts`` (default 250, Backend.AI's mock value); strings: ``serial``,
   ``pci_bus_id`` (default ``0000:99:<idx>.0`` as the plugin's ``hw_location``).
   A pattern is ``{ pattern = "sine" | "ramp" | "square", min = …, max = …,
-  period_seconds = 240, phase = 0.0‥1.0 }``, a function of the clock. Unset fields follow
-  default sine patterns whose phase comes from ``seed`` and the device position; fields of one
-  device share the phase, so they move together.
+  period_seconds = 240, phase = 0.0‥1.0 }``, a function of the clock; a square pattern also
+  takes ``duty`` (0‥1, default 0.5), the fraction of each period it spends at ``max`` (first,
+  from the period's start as ``phase`` shifts it). Unset fields follow default sine patterns
+  whose phase comes from ``seed`` and the device position; fields of one device share the
+  phase, so they move together.
 - MIG devices: ``profile`` (default from ``model_name``), ``placement_start``,
   ``placement_size`` (default: the profile's size on a known SKU), ``gpu_instance_id``
   (default: order on the GPU, from 1; devices with one placement share a GPU instance),
@@ -51,7 +53,11 @@ Extensions (all optional; Backend.AI ignores unknown keys). Devices may also be 
   its legal starts.
 - per whole GPU, ``processes = [{ pid = 1001, used_memory = "4G", sm_util = 0.6 }, …]``: its
   compute processes by host PID and their per-process SM samples, for process attribution;
-  without the key the process list is unknown, as when NVML cannot read it.
+  without the key the process list is unknown, as when NVML cannot read it. ``sm_util`` (0‥1)
+  is a number or a pattern, e.g. a kernel busy in bursts:
+  ``sm_util = { pattern = "square", min = 0, max = 1, period_seconds = 10, duty = 0.2 }``
+  (2 s at full SM use every 10 s); the driver samples it every 1/6 s, so bursts shorter than a
+  scrape interval still count in full in the busy-time counters.
 - ``[mig_parents.<mother_uuid>]``: the physical GPU of a group of MIG devices when it is not
   listed in ``devices``: ``model_name``, ``memory_size``, ``subproc_count``, ``numa_node``
   and the per-device keys above (but ``processes``: a MIG-enabled GPU's processes run in its
@@ -91,13 +97,15 @@ class MockConfigError(SourceConfigError):
 @dataclass(frozen=True, slots=True)
 class Pattern:
     """A value as a function of the clock: constant, or sine/ramp/square between ``low`` and
-    ``high`` with ``period`` seconds and ``phase`` (0-1) into the period."""
+    ``high`` with ``period`` seconds and ``phase`` (0-1) into the period; a square is at ``high``
+    for the first ``duty`` (0-1) of each period."""
 
     kind: str  # "constant", "sine", "ramp", "square"
     low: float
     high: float
     period: float = 240.0
     phase: float = 0.0
+    duty: float = 0.5  # square only
 
     def at(self, t: float) -> float:
         """The value at ``t`` seconds since the epoch."""
@@ -109,18 +117,18 @@ class Pattern:
         elif self.kind == "ramp":
             level = frac
         else:
-            level = 1.0 if frac < 0.5 else 0.0
+            level = 1.0 if frac < self.duty else 0.0
         return self.low + (self.high - self.low) * level
 
 
 @dataclass(frozen=True, slots=True)
 class MockProcess:
     """A compute process on a whole GPU: host PID, memory (bytes, None: not available) and the SM
-    share of its samples (0-1, None: never sampled)."""
+    share of its samples over the clock (0-1, None: never sampled)."""
 
     pid: int
     used_memory_bytes: int | None
-    sm_ratio: float | None
+    sm_util: Pattern | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,7 +187,7 @@ _DEFAULTS: Mapping[str, tuple[float, float, float]] = {
     "memory_clock_mhz": (1593.0, 1593.0, 240.0),
 }
 _PATTERN_KEYS = (*_DEFAULTS, "fan_speed_ratio")
-_UNIT_INTERVAL = ("utilization_ratio", "memory_utilization_ratio", "memory_used_ratio")
+_UNIT_INTERVAL = ("utilization_ratio", "memory_utilization_ratio", "memory_used_ratio", "sm_util")
 _DEFAULT_POWER_LIMIT_W = 250.0  # Backend.AI's mock plugin reports 250 W
 # NVML hands strings back in fixed buffers (nvml.h): names and uuids 96 bytes, serials 30, bus
 # ids 32; a MIG device's name and uuid add to the GPU's, hence the margins.
@@ -251,17 +259,22 @@ class _Reader:
             kind = self.get(value, "pattern", where, str)
             if kind not in ("sine", "ramp", "square"):
                 raise self.fail(f"{where}.pattern", f"expected sine, ramp or square, got {kind!r}")
+            if "duty" in value and kind != "square":
+                raise self.fail(f"{where}.duty", "only a square pattern has a duty cycle")
             pattern = Pattern(
                 kind,
                 float(self.get(value, "min", where, (int, float))),
                 float(self.get(value, "max", where, (int, float))),
                 float(self.get(value, "period_seconds", where, (int, float), 240.0)),
                 float(self.get(value, "phase", where, (int, float), default.phase if default else 0.0)),
+                float(self.get(value, "duty", where, (int, float), 0.5)),
             )
-            if pattern.low > pattern.high or pattern.period <= 0 or not 0 <= pattern.phase <= 1:
-                raise self.fail(where, "needs min <= max, period_seconds > 0 and 0 <= phase <= 1")
+            if pattern.low > pattern.high or pattern.period <= 0 or not 0 <= pattern.phase <= 1 or not 0 <= pattern.duty <= 1:
+                raise self.fail(where, "needs min <= max, period_seconds > 0, 0 <= phase <= 1 and 0 <= duty <= 1")
         else:
             raise self.fail(where, f"expected a number or a pattern table, got {value!r}")
+        if not all(math.isfinite(x) for x in (pattern.low, pattern.high, pattern.period, pattern.phase, pattern.duty)):
+            raise self.fail(where, "needs finite numbers")
         if pattern.low < 0 or (key in _UNIT_INTERVAL and pattern.high > 1):
             raise self.fail(where, "out of range" + (" 0..1" if key in _UNIT_INTERVAL else ": negative"))
         return pattern
@@ -276,11 +289,8 @@ class _Reader:
             at = f"{where}.processes[{i}]"
             if not isinstance(entry, dict):
                 raise self.fail(at, f"expected a table, got {entry!r}")
-            util = self.get(entry, "sm_util", at, (int, float), None)
-            if util is not None and not 0 <= util <= 1:
-                raise self.fail(f"{at}.sm_util", f"must be within 0-1, got {util}")
-            out.append(MockProcess(self.count(entry, "pid", at, 1), self.size(entry, "used_memory", at, None),
-                                   None if util is None else float(util)))
+            util = self.pattern(entry, "sm_util", at, None)
+            out.append(MockProcess(self.count(entry, "pid", at, 1), self.size(entry, "used_memory", at, None), util))
         return tuple(out)
 
 

@@ -37,6 +37,21 @@ event may name a GPU instance), :meth:`configure_mig` (runtime reconfiguration, 
 only), :meth:`reset` (a GPU reset: the device answers again with its energy and volatile state
 restarted). A process whose PID no longer exists is just a :meth:`set_processes` entry: NVML
 keeps listing a context whose process died until the driver tears it down.
+
+Sampling: like a real driver, the machine samples each GPU once per ``sample_period_us``
+(default 166,667 µs, the 1/6 s of datacenter GPUs; timestamps are µs of the machine's clock,
+ticks at whole multiples of the period) into bounded ring buffers of ``sample_buffer`` periods
+(default 120, 20 s): a GPU-utilisation sample per period (``nvmlDeviceGetSamples`` with
+``NVML_GPU_UTILIZATION_SAMPLES``) and a per-process sample for each process that ran in it
+(``nvmlDeviceGetProcessUtilization``, ``nvmlDeviceGetProcessesUtilizationInfo``). A GPU holds
+its utilisation, power and per-process SM shares constant over each period at the value they have
+at the period's start (a field set by :meth:`update` takes effect from the next period; a
+pattern is evaluated at each period's start), so a sample's value times its period is exactly
+the generated ∫ util dt. A reader later than the buffer finds the oldest samples gone; one that
+asks for samples newer than the newest gets ``NOT_FOUND``. The buffers start full (the driver was
+running before the reader came), and a driver reload empties them. The energy counter
+(``nvmlDeviceGetTotalEnergyConsumption``) is ∫ power dt of the same signal, continuous,
+monotonic, restarted by :meth:`reset` and by a driver reload (:meth:`load_driver`).
 """
 
 from __future__ import annotations
@@ -47,7 +62,7 @@ import re
 import threading
 import time
 import uuid as uuidlib
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -127,7 +142,11 @@ ABSENT_IN_R470 = ABSENT_BEFORE_R570 | {
     "nvmlDeviceGetCurrentClocksEventReasons",
     "nvmlDeviceGetSupportedClocksEventReasons",
     "nvmlDeviceGetNumaNodeId",
+    "nvmlDeviceGetProcessesUtilizationInfo",
 }
+SAMPLE_PERIOD_US = 166_667  # the driver's sampling period, µs (1/6 s)
+SAMPLE_BUFFER = 120  # sampling periods the driver's ring buffers keep (20 s)
+_NJ_PER_MJ = 1_000_000  # energy is kept in mW x µs = nJ, reported in mJ
 
 
 class _Return(Exception):
@@ -236,7 +255,7 @@ class FakeGpu:
     temperature: int = 35  # °C
     power_mw: int = 60_000
     power_limit_mw: int = 400_000
-    energy_mj: int = 1_000_000  # at the fake's clock start
+    energy_mj: int = 1_000_000  # the counter at the fake's clock start
     sm_clock: int = 1410  # MHz
     mem_clock: int = 1215
     fan: int | None = None  # %; None: passively cooled
@@ -250,7 +269,7 @@ class FakeGpu:
     clocks_event: int = 0x1
     clocks_supported: int = 0x1FF
     processes: list[tuple[int, int | None]] = field(default_factory=list)  # (pid, used bytes or None)
-    process_sm: dict[int, int] = field(default_factory=dict)  # pid -> SM % of its latest sample
+    process_sm: dict[int, int] = field(default_factory=dict)  # pid -> SM % it uses; sampled while above 0
     mig_sku: str | None = None  # a key of exporter.telemetry.mig.BUILTIN_TABLES; None: not MIG-capable
     mig_current: bool = False
     mig_pending: bool = False
@@ -263,8 +282,17 @@ class FakeGpu:
     registered_events: int = 0
     # Field name -> its value at a clock reading (seconds), in the field's unit: every call about
     # this GPU first brings these fields to the clock (a mock device file's patterns).
-    patterns: dict[str, Callable[[float], int]] = field(default_factory=dict)
+    patterns: dict[str, Callable[[float], Any]] = field(default_factory=dict)
     advanced_at: float | None = None
+    # The driver's sampling (see "Sampling" above): the open period's start (in periods since the
+    # clock's zero) and its (util %, power mW, pid -> SM % of the processes that ran) fixed then,
+    # the ring buffers of (µs, %) and (µs, {pid: %}) samples, and the energy counter at the open
+    # period's start in nJ (mW x µs).
+    tick: int = 0
+    period_values: tuple[int, int, dict[int, int]] = (0, 0, {})
+    util_ring: deque[tuple[int, int]] = field(default_factory=deque)
+    process_ring: deque[tuple[int, dict[int, int]]] = field(default_factory=deque)
+    energy_nj: int = 0
 
     def cis(self) -> Iterator[tuple[FakeGi, FakeCi]]:
         for gi in self.gis:
@@ -327,6 +355,8 @@ class FakeNvml:
         cuda_version: int | None,
         absent: frozenset[str] = frozenset(),
         clock: Callable[[], float] = time.monotonic,
+        sample_period_us: int = SAMPLE_PERIOD_US,
+        sample_buffer: int = SAMPLE_BUFFER,
     ) -> None:
         self.gpus = gpus
         self.driver_version = driver_version
@@ -345,6 +375,11 @@ class FakeNvml:
         self._events = threading.Condition()
         self._event_queue: list[tuple[int, int, int | None]] = []  # (gpu index, xid, GPU instance)
         self._mig_serial = 0
+        if sample_period_us < 1 or sample_buffer < 1:
+            raise ValueError("sample_period_us and sample_buffer must be at least 1")
+        self.sample_period_us, self.sample_buffer = sample_period_us, sample_buffer
+        for gpu in gpus:
+            self._start_sampling(gpu, self._epoch, gpu.energy_mj, history=True)
 
     # -- presets ---------------------------------------------------------------------------
 
@@ -455,7 +490,14 @@ class FakeNvml:
         return cls(gpus, driver_version="470.82.01", cuda_version=11040, absent=ABSENT_IN_R470, clock=clock)
 
     @classmethod
-    def from_mock_file(cls, machine: MockMachine, clock: Callable[[], float] = time.time) -> FakeNvml:
+    def from_mock_file(
+        cls,
+        machine: MockMachine,
+        clock: Callable[[], float] = time.time,
+        *,
+        sample_period_us: int = SAMPLE_PERIOD_US,
+        sample_buffer: int = SAMPLE_BUFFER,
+    ) -> FakeNvml:
         """The machine a mock device file describes (:func:`exporter.telemetry.nvml.mockfile.parse_mock_file`).
 
         Each GPU's values follow the file's patterns on ``clock`` (seconds since the epoch), read
@@ -465,16 +507,15 @@ class FakeNvml:
         on a SKU whose profiles this library knows, else it answers NO_PERMISSION, as to a reader
         without the mig/monitor capability. The driver has no XID events to report.
         """
-        now = clock()
         gpus = [_mock_gpu(index, gpu) for index, gpu in enumerate(machine.gpus)]
         cuda = None
         if machine.cuda_version is not None:  # "12.4" -> 12040, as cudaDriverGetVersion counts
             major, minor = machine.cuda_version.split(".")[:2]
             cuda = int(major) * 1000 + int(minor) * 10
-        fake = cls(gpus, driver_version=machine.driver_version, cuda_version=cuda, clock=clock)
-        fake._epoch = now
+        fake = cls(gpus, driver_version=machine.driver_version, cuda_version=cuda, clock=clock,
+                   sample_period_us=sample_period_us, sample_buffer=sample_buffer)
         for gpu in gpus:
-            fake._advance(gpu, now)  # the values at the epoch, before any energy is drawn
+            fake._advance(gpu, fake._epoch)  # the values at the epoch, before any energy is drawn
         return fake
 
     # -- installation and controls ---------------------------------------------------------
@@ -551,8 +592,14 @@ class FakeNvml:
             self._events.notify_all()
 
     def load_driver(self) -> None:
+        """The kernel module is back: its sample buffers start empty and the energy counters at 0."""
         with self._lock:
+            reloaded = self.driver_state == "not_loaded"
             self.driver_state = "ok"
+            if reloaded:
+                now = self._clock()
+                for gpu in self.gpus:
+                    self._start_sampling(gpu, now, 0, history=False)
 
     def push_xid(self, index: int, xid: int, gpu_instance_id: int | None = None) -> None:
         """Queue an XID critical-error event from GPU ``index``; ``gpu_instance_id``: the GPU
@@ -567,8 +614,9 @@ class FakeNvml:
         with self._lock:
             gpu = self.gpus[index]
             gpu.lost = False
-            # The counter reads energy_mj + power x (clock - epoch): make it read 0 now.
-            gpu.energy_mj = -int(gpu.power_mw * max(0.0, self._clock() - self._epoch))
+            now = self._clock()
+            self._generate(gpu, now)
+            gpu.energy_nj -= self._energy_nj(gpu, now)  # the counter reads 0 now
             if gpu.remapped_rows is not None:
                 correctable, uncorrectable, _, failure = gpu.remapped_rows
                 gpu.remapped_rows = (correctable, uncorrectable, 0, failure)
@@ -613,8 +661,9 @@ class FakeNvml:
     def update(self, index: int, **values: Any) -> None:
         """Set fields of GPU ``index`` (``util_gpu``, ``memory_used``, ``temperature``, ``power_mw``,
         ``clocks_event``, ``ecc_corrected``, ``remapped_rows``, ``process_sm``…) in one step, so no
-        call sees half a change. A new ``power_mw`` keeps the energy counter continuous: it
-        integrates each power level over the time it was drawn."""
+        call sees half a change. Calls answer the new values at once; the samples and the energy
+        counter take ``util_gpu``, ``power_mw`` and ``process_sm`` from the next sampling period on
+        (the period under way keeps the value it started with), so the counter stays continuous."""
         with self._lock:
             gpu = self.gpus[index]
             unknown = [name for name in values if not hasattr(gpu, name)]
@@ -623,18 +672,79 @@ class FakeNvml:
             self._set(gpu, values, self._clock())
 
     def _set(self, gpu: FakeGpu, values: dict[str, Any], now: float) -> None:
-        if "power_mw" in values:
-            elapsed = max(0.0, now - self._epoch)
-            gpu.energy_mj += int(gpu.power_mw * elapsed) - int(values["power_mw"] * elapsed)
+        self._generate(gpu, now)  # the periods that ended so far keep the values they had
         for name, value in values.items():
             setattr(gpu, name, value)
 
+    # -- sampling --------------------------------------------------------------------------
+
+    def _period_values(self, gpu: FakeGpu, t: float) -> tuple[int, int, dict[int, int]]:
+        """(util %, power mW, pid -> SM % of the processes that ran) for a period starting at ``t``
+        seconds: each field's pattern at ``t``, else its value now."""
+        p = gpu.patterns
+        util = p["util_gpu"](t) if "util_gpu" in p else gpu.util_gpu
+        power = p["power_mw"](t) if "power_mw" in p else gpu.power_mw
+        sm = p["process_sm"](t) if "process_sm" in p else gpu.process_sm
+        return util, power, {pid: value for pid, value in sm.items() if value > 0}
+
+    def _start_sampling(self, gpu: FakeGpu, now: float, energy_mj: int, *, history: bool) -> None:
+        """(Re)start a GPU's sampling at ``now`` with the energy counter reading ``energy_mj`` then;
+        ``history``: the buffers hold the periods before ``now`` as if the driver had sampled them."""
+        period = self.sample_period_us
+        gpu.tick = _microseconds(now) // period
+        gpu.util_ring = deque(maxlen=self.sample_buffer)
+        gpu.process_ring = deque(maxlen=self.sample_buffer)
+        if history:
+            for k in range(gpu.tick - self.sample_buffer + 1, gpu.tick + 1):
+                util, _, sm = self._period_values(gpu, (k - 1) * period / 1e6)
+                gpu.util_ring.append((k * period, util))
+                gpu.process_ring.append((k * period, sm))
+        gpu.period_values = self._period_values(gpu, gpu.tick * period / 1e6)
+        gpu.energy_nj = 0
+        gpu.energy_nj = energy_mj * _NJ_PER_MJ - self._energy_nj(gpu, now)
+
+    def _generate(self, gpu: FakeGpu, now: float) -> None:
+        """Sample every period that ended by ``now`` into the ring buffers and the energy counter."""
+        period, last = self.sample_period_us, _microseconds(now) // self.sample_period_us
+        # Periods older than the buffers keep only count for energy; without patterns their values
+        # are the current ones, so they are skipped in one step.
+        oldest_kept = last - self.sample_buffer + 1
+        steady = not any(name in gpu.patterns for name in ("util_gpu", "power_mw", "process_sm"))
+        util, power, sm = gpu.period_values
+        k = gpu.tick
+        while k < last:
+            if steady and k + 1 < oldest_kept:
+                skipped = oldest_kept - 1 - k
+                gpu.energy_nj += power * period * skipped
+                k += skipped
+                continue
+            k += 1
+            gpu.energy_nj += power * period
+            if k >= oldest_kept:
+                gpu.util_ring.append((k * period, util))
+                gpu.process_ring.append((k * period, sm))
+            util, power, sm = self._period_values(gpu, k * period / 1e6)
+        if last > gpu.tick:
+            gpu.tick, gpu.period_values = last, (util, power, sm)
+
+    def _energy_nj(self, gpu: FakeGpu, now: float) -> int:
+        """The energy counter at ``now`` (after :meth:`_generate`): the open period's power so far."""
+        elapsed = max(0, _microseconds(now) - gpu.tick * self.sample_period_us)
+        return gpu.energy_nj + gpu.period_values[1] * elapsed
+
+    def samples(self, index: int) -> tuple[list[tuple[int, int]], list[tuple[int, dict[int, int]]]]:
+        """What GPU ``index``'s sample buffers hold now: [(µs, util %)], [(µs, {pid: SM %})], oldest first."""
+        with self._lock:
+            gpu = self.gpus[index]
+            self._generate(gpu, self._clock())
+            return list(gpu.util_ring), [(ts, dict(sm)) for ts, sm in gpu.process_ring]
+
     def _advance(self, gpu: FakeGpu, now: float | None = None) -> None:
-        """Bring the fields that follow patterns to the clock (under the lock); the power drawn since
-        the last call counts into the energy counter at the level it had then."""
+        """Bring the sample buffers and the fields that follow patterns to the clock (under the lock)."""
+        now = self._clock() if now is None else now
+        self._generate(gpu, now)
         if not gpu.patterns and not any(gi.patterns for gi in gpu.gis):
             return
-        now = self._clock() if now is None else now
         if now == gpu.advanced_at:
             return
         self._set(gpu, {name: value(now) for name, value in gpu.patterns.items()}, now)
@@ -901,8 +1011,8 @@ class FakeNvml:
 
     def _c_nvmlDeviceGetTotalEnergyConsumption(self, handle: Any, ref: Any) -> None:
         gpu = self._gpu_only(handle)
-        # mW × s = mJ: the counter advances with the current power draw.
-        ref._obj.value = gpu.energy_mj + int(gpu.power_mw * max(0.0, self._clock() - self._epoch))
+        # ∫ power dt of the sampled signal (nJ), floored to whole mJ as the counter counts.
+        ref._obj.value = self._energy_nj(gpu, self._clock()) // _NJ_PER_MJ
 
     def _c_nvmlDeviceGetClockInfo(self, handle: Any, clock_type: Any, ref: Any) -> int:
         gpu = self._gpu_only(handle)
@@ -990,20 +1100,73 @@ class FakeNvml:
 
     _c_nvmlDeviceGetComputeRunningProcesses_v2 = _c_nvmlDeviceGetComputeRunningProcesses_v3
 
-    def _c_nvmlDeviceGetProcessUtilization(self, handle: Any, samples: Any, count: Any, since: Any) -> int:
+    def _sampled(self, handle: Any) -> FakeGpu:
         gpu = self._gpu_only(handle)
-        if gpu.mig_current:  # not supported on MIG-enabled GPUs
-            return NOT_SUPPORTED
-        now_us = int(self._clock() * 1e6)
-        # One sample per process at "now": nothing is newer than a timestamp already seen.
-        fresh = [(pid, sm) for pid, sm in gpu.process_sm.items() if now_us > _val(since)]
+        if gpu.mig_current:  # NVML keeps no utilisation samples of MIG-enabled GPUs
+            raise _Return(NOT_SUPPORTED)
+        return gpu
+
+    def _process_samples(self, handle: Any, since: Any, room: int | None) -> list[tuple[int, int, int]]:
+        """(µs, pid, SM %) newer than ``since``, oldest first, whole periods only, at most ``room``
+        (None: the size probe, raising INSUFFICIENT_SIZE with the count to allocate)."""
+        gpu = self._sampled(handle)
+        fresh = [(ts, pid, sm[pid]) for ts, sm in gpu.process_ring if ts > _val(since) for pid in sorted(sm)]
+        if not fresh:
+            raise _Return(NOT_FOUND)
+        if room is None or room < len(fresh):
+            # A period ended between the probe and this call: the oldest periods that fit, so the
+            # caller's lastSeenTimeStamp never passes a sample it did not get.
+            fit = 0 if room is None else room
+            while 0 < fit < len(fresh) and fresh[fit][0] == fresh[fit - 1][0]:
+                fit -= 1
+            if fit == 0:
+                raise _Return(INSUFFICIENT_SIZE)
+            fresh = fresh[:fit]
+        return fresh
+
+    def _c_nvmlDeviceGetProcessUtilization(self, handle: Any, samples: Any, count: Any, since: Any) -> int:
+        try:
+            fresh = self._process_samples(handle, since, None if samples is None else count._obj.value)
+        except _Return as answer:
+            if answer.code == INSUFFICIENT_SIZE:
+                count._obj.value = len(self._process_samples(handle, since, 1 << 30))
+            raise
+        for k, (ts, pid, sm) in enumerate(fresh):
+            samples[k].pid, samples[k].timeStamp, samples[k].smUtil = pid, ts, sm
+            samples[k].memUtil = samples[k].encUtil = samples[k].decUtil = 0
+        count._obj.value = len(fresh)
+        return SUCCESS
+
+    def _c_nvmlDeviceGetProcessesUtilizationInfo(self, handle: Any, ref: Any) -> int:
+        info = ref._obj
+        if info.version != pynvml.ProcessesUtilizationInfo_v1:
+            return ARGUMENT_VERSION_MISMATCH
+        array = info.procUtilArray if info.procUtilArray else None
+        try:
+            fresh = self._process_samples(handle, info.lastSeenTimeStamp, None if array is None else info.processSamplesCount)
+        except _Return as answer:
+            if answer.code == INSUFFICIENT_SIZE:
+                info.processSamplesCount = len(self._process_samples(handle, info.lastSeenTimeStamp, 1 << 30))
+            raise
+        for k, (ts, pid, sm) in enumerate(fresh):
+            array[k].timeStamp, array[k].pid, array[k].smUtil = ts, pid, sm
+        info.processSamplesCount = len(fresh)
+        return SUCCESS
+
+    def _c_nvmlDeviceGetSamples(self, handle: Any, kind: Any, since: Any, value_type: Any, count: Any, samples: Any) -> int:
+        gpu = self._sampled(handle)
+        if _val(kind) != pynvml.NVML_GPU_UTILIZATION_SAMPLES:
+            return NOT_SUPPORTED  # the fake keeps utilisation samples only
+        fresh = [(ts, util) for ts, util in gpu.util_ring if ts > _val(since)]
         if not fresh:
             return NOT_FOUND
-        if samples is None or count._obj.value < len(fresh):  # the size probe
+        value_type._obj.value = pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
+        if samples is None:  # the size probe
             count._obj.value = len(fresh)
-            return INSUFFICIENT_SIZE
-        for k, (pid, sm) in enumerate(fresh):
-            samples[k].pid, samples[k].timeStamp, samples[k].smUtil = pid, now_us, sm
+            return SUCCESS
+        fresh = fresh[: count._obj.value]  # the oldest that fit: nothing newer is skipped
+        for k, (ts, util) in enumerate(fresh):
+            samples[k].timeStamp, samples[k].sampleValue.uiVal = ts, util
         count._obj.value = len(fresh)
         return SUCCESS
 
@@ -1290,7 +1453,12 @@ _UNDESCRIBED = frozenset(
     }
 )
 _PROCESS_CALLS = frozenset(
-    {"nvmlDeviceGetComputeRunningProcesses_v2", "nvmlDeviceGetComputeRunningProcesses_v3", "nvmlDeviceGetProcessUtilization"}
+    {
+        "nvmlDeviceGetComputeRunningProcesses_v2",
+        "nvmlDeviceGetComputeRunningProcesses_v3",
+        "nvmlDeviceGetProcessUtilization",
+        "nvmlDeviceGetProcessesUtilizationInfo",
+    }
 )
 
 
@@ -1308,6 +1476,9 @@ def _mock_gpu(index: int, gpu: MockGpu) -> FakeGpu:
         total = gpu.memory_bytes
         patterns["memory_used"] = _follow(gpu.patterns["memory_used_ratio"], lambda v: total * v, whole=True)
     processes = gpu.processes or ()
+    sampled = [(p.pid, p.sm_util) for p in processes if p.sm_util is not None]
+    if sampled:  # SM % of each process, from its pattern
+        patterns["process_sm"] = lambda t: {pid: round(100 * util.at(t)) for pid, util in sampled}
     fake = FakeGpu(
         index=index,
         uuid=gpu.uuid,
@@ -1323,7 +1494,6 @@ def _mock_gpu(index: int, gpu: MockGpu) -> FakeGpu:
         energy_mj=0,
         remapped_rows=None,
         processes=[(p.pid, p.used_memory_bytes) for p in processes],
-        process_sm={p.pid: round(100 * p.sm_ratio) for p in processes if p.sm_ratio is not None},
         mig_sku=gpu.mig_sku.sku if gpu.mig_sku is not None else None,
         multiprocessors=gpu.multiprocessors,
         unsupported=set(_UNDESCRIBED) | (set(_PROCESS_CALLS) if gpu.processes is None else set()),
@@ -1362,6 +1532,11 @@ def _described_profile(m: MockMigDevice) -> FakeProfile:
     """A GPU-instance profile as far as the file describes it (no geometry is answered for it)."""
     size = m.placement.size if m.placement is not None else 1
     return FakeProfile(-1, -1, m.profile, 1, size, 1, (), m.memory_bytes // MIB, m.multiprocessors)
+
+
+def _microseconds(t: float) -> int:
+    """A clock reading in whole µs, NVML's sample timestamps."""
+    return int(t * 1_000_000)
 
 
 def _uuid(scope: str, index: int, prefix: str = "GPU-") -> str:
