@@ -14,7 +14,13 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 from processes import SKIPPED_FOR_TOOLS, require_tool
+
+# Property tests draw the same examples on every run (a CI failure is then a real one and
+# reproduces), with no example database left behind and no per-example deadline on a noisy machine.
+settings.register_profile("deterministic", derandomize=True, database=None, deadline=None)
+settings.load_profile("deterministic")
 
 FIXTURES = Path(__file__).parent / "fixtures"
 GOLDEN = Path(__file__).parent / "golden"

@@ -42,16 +42,18 @@ BUILTIN_VARS = {
 PROMETHEUS_SERIES = frozenset({"up", "ALERTS", "ALERTS_FOR_STATE", "scrape_duration_seconds", "scrape_samples_scraped"})
 # Recording rules that hold series only while something is wrong: a healthy node or fleet records
 # nothing there (their promtool tests plant the fault).
-RECORDS_ONLY_WHEN_WRONG = {
+# Records that are empty on a healthy node: faults, or figures some GPUs cannot give.
+RECORDS_MAY_BE_EMPTY = {
     "shape:gpu_alloc_shape_request:mig_profile_nowhere": "a request shape whose MIG profile no node has",
     "shape_selector:gpu_alloc_session_failure:predicted": "a predicted session-creation failure",
+    "instance:gpu_alloc_busy_over_allocated:ratio1h": "busy time measured on some GPU (not on MIG, nor without per-process samples)",
 }
 
 
 def records_expected_empty() -> dict[tuple[str, str, str], str]:
     """(``"recording"``, record name, ``"record"``) -> why it may be empty: the keys of
     :class:`Query` objects built for recording rules."""
-    return {("recording", name, "record"): why for name, why in RECORDS_ONLY_WHEN_WRONG.items()}
+    return {("recording", name, "record"): why for name, why in RECORDS_MAY_BE_EMPTY.items()}
 
 _PROMQL_WORDS = frozenset({
     "and", "or", "unless", "by", "without", "on", "ignoring", "group_left", "group_right", "bool", "offset",

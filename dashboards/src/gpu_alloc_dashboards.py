@@ -628,13 +628,14 @@ def fleet() -> Dashboard:
     )
 
     d.row("Where can a session start?")
+    ZONE_ONLY = "rows per node and shape stay in each zone's Prometheus: empty on the global level"  # noqa: N806
     # Per node and configured request shape (--fleet.shape), from the fleet rules'
     # instance_shape* series: would the agent place it (both fragmentation modes, with the reason
     # it would not), what the manager sees left of the shape's slot, HAMi's node score and whether
     # HAMi's binpack (highest score) or spread (lowest) would pick the node among the selected
     # nodes that place it with fragmentation $fragmentation.
-    verdict = "instance_shape_fragmentation:gpu_alloc_node_request_placeable:reason"
-    hami = "instance_shape_slot:gpu_alloc_node_hami_score:max"
+    verdict = "instance_shape:gpu_alloc_node_request_placeable:reason"
+    hami = "instance_shape:gpu_alloc_node_hami_score:shape_slot"
     placing = f'({hami}{{%S}} * on (job, instance, shape) group_right () ({verdict}{{%S, fragmentation="$fragmentation"}} == 1))'
 
     def mode(fragmentation: str) -> str:
@@ -652,9 +653,9 @@ def fleet() -> Dashboard:
                                   ("HAMi binpack", flags), ("HAMi spread", flags))]
     where = table(
         "Where can a session of each shape start?",
-        [TAB(mode("allowed"), F), TAB(mode("disallowed"), F),
-         TAB("instance_shape_slot:gpu_alloc_node_remaining:max{%S}", F),
-         TAB(f"{hami}{{%S}}", F),
+        [TAB(mode("allowed"), F, empty_ok=ZONE_ONLY), TAB(mode("disallowed"), F, empty_ok=ZONE_ONLY),
+         TAB("instance_shape:gpu_alloc_node_remaining:shape_slot{%S}", F, empty_ok=ZONE_ONLY),
+         TAB(f"{hami}{{%S}}", F, empty_ok=ZONE_ONLY),
          TAB(first("max"), F, empty_ok="no selected node places the shape"),
          TAB(first("min"), F, empty_ok="no selected node places the shape")],
         unit="none", w=24, h=12, links=[node_link(), *columns],
@@ -665,8 +666,10 @@ def fleet() -> Dashboard:
              "it now with fragmentation allowed and disallowed, and why not (capacity, fragmented, numa, mig_profile_missing, "
              "stale_allocation); what the manager sees left of the shape's slot; HAMi's node score (10 x core + memory used "
              "ratio, 0-20). Sorted by that score: HAMi's binpack sends the session to the highest-scored node that places it, "
-             "spread to the lowest ('first', among the selected nodes, with fragmentation $fragmentation). docs/headroom.md.",
-        no_value="no node reporting, or the fleet rules (alerts/gpu-alloc-fleet.rules.yml) not loaded")
+             "spread to the lowest ('first', among the selected nodes, with fragmentation $fragmentation). docs/headroom.md. "
+             "These rows stay in each zone's Prometheus (20 series per node): choose a zone as the data source; the global "
+             "level has the per-shape results (predicted failures, placeable agents).",
+        no_value="on a zone's Prometheus only (rows per node and shape stay in the zone), or the fleet rules not loaded")
     where.options["sortBy"] = [{"displayName": "HAMi node score", "desc": True}]
     where.custom = {"filterable": True}
     d.add(where)
@@ -946,7 +949,8 @@ def sessions() -> Dashboard:
                  no_value="no GPU energy counter, or no session with an identity in the last day"),
     )
     d.add(
-        stat("Busy against held, last hour", [I("instance:gpu_alloc_busy_over_allocated:ratio1h{%S}", "{{instance}}", N)],
+        stat("Busy against held, last hour", [I("instance:gpu_alloc_busy_over_allocated:ratio1h{%S}", "{{instance}}", N,
+                                                 empty_ok="only where busy time is measured (per-process samples, no MIG)")],
              unit="percentunit", decimals=1, w=6,
              desc="Busy GPU-seconds over GPU-seconds held by the node's kernels in the last hour, on the GPUs whose busy time "
                   "is measured.", no_value="no GPU's busy time measured"),
