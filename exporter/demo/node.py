@@ -81,7 +81,7 @@ class GpuProcess:
     gpu: int
     mig: int | None
     memory: int  # bytes
-    kind: str  # training, inference, notebook (idle), batch, breach, host, ghost (its process is dead)
+    kind: str  # training, inference, notebook (idle), batch, duty (bursts), breach, host, ghost (its process is dead)
 
 
 @dataclass
@@ -102,10 +102,15 @@ class Session:
     running: bool = False  # its container runs
     planted: str = ""  # the role it plays in a planted event
     fill: float | None = None  # of its share's memory its processes use; None: its kind's usual
+    duty: bool = False  # its processes run in bursts (DUTY_BUSY_S of every DUTY_PERIOD_S), else idle
 
 
 #: Prometheus' scrape and evaluation interval in deploy/prometheus/prometheus.yml, seconds.
 EVALUATION_INTERVAL_S = 15.0
+#: The duty-cycled kernel: busy this many seconds of every period, the period being the scrape
+#: interval, so a gauge scraped every 15 s reads the same phase of the cycle each time.
+DUTY_PERIOD_S = EVALUATION_INTERVAL_S
+DUTY_BUSY_S = 3.0
 
 
 @dataclass(frozen=True)
@@ -180,10 +185,12 @@ class LivingNode:
     :param seed: makes arrivals, amounts, ids and loads reproducible.
     :param time_scale: demo seconds per wall second (20 plays the 5-minute schedule in 15 s).
     :param clock: monotonic wall seconds (injected in tests).
+    :param driver_clock: the simulated driver's clock, for its samples and energy (a replay may
+        pass the same as ``clock``).
     """
 
     def __init__(self, base: Path, *, seed: int, time_scale: float = 1.0, agent_id: str = AGENT_ID,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, driver_clock: Callable[[], float] = time.monotonic) -> None:
         if time_scale <= 0:
             raise ValueError("time scale must be positive")
         self.base = base
@@ -195,7 +202,9 @@ class LivingNode:
         self.agent_id = agent_id
         self._clock = clock
         self._rng = random.Random(seed)
-        self.machine = FakeNvml.dgx_a100()
+        # The simulated driver samples on its own clock (the host's, as a real driver does); a
+        # replay that drives the node's clock may drive the driver's too.
+        self.machine = FakeNvml.dgx_a100(driver_clock)
         self.machine.max_event_wait_ms = 1000  # XID waits wake on an event; no need to poll fast
         self.sessions: dict[str, Session] = {}
         self.host_processes: list[GpuProcess] = []
@@ -338,12 +347,12 @@ class LivingNode:
         per_gpu = max(Decimal(str(a)) for a in trainer.allocations[SHARES].values())
         trainer.planted = (f"memory pressure: its processes use 97% of the {_gib(per_gpu * UNIT_MEM)} GiB its {per_gpu.normalize():f} shares "
                            "hold on each GPU (CUDA_MEMORY_LIMITS); see gpu_alloc_kernel_memory_used_bytes")
-        run("training", {SHARES: Decimal(4)}, instant=True)
+        steady = run("training", {SHARES: Decimal(4)}, instant=True)
         bursty = run("inference", {SHARES: Decimal("2.5")}, instant=True)
         run("notebook", {SHARES: Decimal(1)}, instant=True)
         run("notebook", {SHARES: Decimal("0.5")}, instant=True)
         run("idle-start", {SHARES: Decimal(2)}, instant=True)
-        run("batch", {SHARES: Decimal(6)}, instant=True)
+        batch = run("batch", {SHARES: Decimal(6)}, instant=True)
         ghost_at = 150.0  # demo seconds
         ghosted = run("training", {SHARES: Decimal(10)}, instant=True, planted=f"ends at {_mmss(ghost_at)} leaving ghost memory")
         for profile in ("3g.20gb", "1g.5gb", "1g.5gb", "1g.5gb"):
@@ -361,6 +370,15 @@ class LivingNode:
 
         breach_gpu = self._free_gpu(avoid=(host_gpu, *self._gpus_of(trainer)))
         lost = self._shares_gpus[-1]
+        # The duty-cycled kernel: one not on the GPU planted to fail, so its bursts last the demo.
+        duty = next((x for x in (steady, batch) if x is not None and lost not in self._gpus_of(x)), None)
+        if duty is not None:
+            duty.duty = True
+            duty.processes = [dataclasses.replace(p, kind="duty") for p in duty.processes]
+            duty.planted = (f"duty-cycled: busy {DUTY_BUSY_S:g} s of every {DUTY_PERIOD_S:g} s, in step with a "
+                            f"{EVALUATION_INTERVAL_S:g} s scrape, so a utilisation gauge scraped then reads one phase of "
+                            "the cycle every time; gpu_alloc_kernel_busy_gpu_seconds_total counts every burst")
+            self._animate()
         ecc_gpu, remap_gpu, hot_gpu = self._shares_gpus[3], self._shares_gpus[2], self._shares_gpus[1]
         stale = bursty
         xid, blast = "GpuAllocXidCritical", "GpuAllocSessionsOnUnhealthyGpu"
@@ -580,7 +598,7 @@ class LivingNode:
                 pid = next(self._pids)
                 self.host.spawn(pid, _COMMANDS.get(s.kind, "python3"), started=self.now(), container_id=s.container_id,
                                 scratch_dir=kdir, ppid=init)
-                s.processes.append(GpuProcess(pid, gpu, mig, memory, "notebook" if s.kind == "notebook" else s.kind))
+                s.processes.append(GpuProcess(pid, gpu, mig, memory, "duty" if s.duty else s.kind))
         self._sync_processes()
 
     def _terminate(self, s: Session) -> None:
@@ -811,6 +829,8 @@ class LivingNode:
 def _sm_percent(p: GpuProcess, t: float) -> int:
     """SM utilisation of one process at demo time ``t``, in percent."""
     phase = (p.pid % 97) / 97
+    if p.kind == "duty":  # every process of the kernel in the same bursts
+        return 100 if t % DUTY_PERIOD_S < DUTY_BUSY_S else 0
     if p.kind == "training":
         return int(86 + 10 * math.sin(2 * math.pi * (t / 180 + phase)))
     if p.kind == "batch":

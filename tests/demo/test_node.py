@@ -16,7 +16,7 @@ from exporter.analysis.attribution import ProcFS, Unattributed, container_id_fro
 from exporter.analysis.liveness import scan_cgroups
 from exporter.app import Exporter
 from exporter.config import resolve
-from exporter.demo.node import LivingNode
+from exporter.demo.node import DUTY_BUSY_S, DUTY_PERIOD_S, LivingNode
 from exporter.scratch.allocation import KernelState
 from exporter.settings import Settings
 from exporter.telemetry.nvml import NvmlSource
@@ -118,7 +118,8 @@ def test_the_exporter_sees_the_planted_events(tmp_path: Path) -> None:
             snap, attribution = sample()
             assert any(not k.allocated for k in attribution.kernels)  # the isolation breach
             lost = [d for d in snap.devices if not d.up]
-            assert len(lost) == 1 and lost[0].index == 5
+            planted = next(dict(p.labels)["device_id"] for p in node.promises if p.alert == "GpuAllocGpuLost")
+            assert [d.uuid for d in lost] == [planted]
             # Past the ends the demo announces for the lost GPU and the breach.
             play(node, clock, max(p.ends for p in node.promises if p.alert in ("GpuAllocGpuLost", "GpuAllocIsolationBreach")))
             snap, attribution = sample()
@@ -238,3 +239,45 @@ def test_ghost_memory_and_latched_health_until_a_reset(tmp_path: Path) -> None:
             wait_for(lambda: health(metrics(), remap) == "ok", 5)
         finally:
             exporter.close()
+
+
+def test_the_duty_cycled_kernel_defeats_a_scraped_gauge_but_not_the_busy_counter(tmp_path: Path) -> None:
+    """Busy 3 s of every 15 s, in step with a 15 s scrape: the utilisation gauge a scraper reads
+    every 15 s sees one phase of the cycle each time (off by 50 % or more), while the busy-time
+    counter, integrated from the driver's own samples, counts every burst (within 1 %)."""
+    clock = Clock()
+    node = LivingNode(tmp_path, seed=7, clock=clock, driver_clock=clock)
+    with node.machine.installed():
+        node.populate()
+        duty = next(s for s in node.sessions.values() if s.duty)
+        assert duty.planted.startswith("duty-cycled") and "duty-cycled" in node.describe()
+        pids = {p.pid for p in duty.processes}
+        gpus = sorted({p.gpu for p in duty.processes})
+        source = NvmlSource(clock=clock, xid_events=False)
+        source.prepare()
+        try:
+            def step_to(demo_t: float) -> None:
+                while node.now() < demo_t:
+                    clock.t += 1.0
+                    node.tick()
+
+            def busy() -> float:
+                return sum(s for g in gpus for pid, s in (source.read_device(g).process_busy_seconds or {}).items() if pid in pids)
+
+            start = math.ceil(node.now() / DUTY_PERIOD_S + 1) * DUTY_PERIOD_S
+            step_to(start)
+            before, scraped = busy(), []
+            for cycle in range(1, 11):  # ten cycles, read every second as the exporter samples, scraped every 15 s
+                for second in range(int(DUTY_PERIOD_S)):
+                    step_to(start + (cycle - 1) * DUTY_PERIOD_S + second + 1)
+                    readings = [source.read_device(g).process_utilization or {} for g in gpus]
+                    if second == 6:  # the scrape, at the same phase of every cycle
+                        scraped.append(sum(r.get(pid, 0.0) for r in readings for pid in pids) / len(pids))
+            counted = busy() - before
+        finally:
+            source.close()
+    truth = DUTY_BUSY_S / DUTY_PERIOD_S
+    window = 10 * DUTY_PERIOD_S
+    assert counted == pytest.approx(truth * window * len(pids), rel=0.01)
+    gauge = sum(scraped) / len(scraped)
+    assert abs(gauge - truth) >= 0.5 * truth, (gauge, truth)
