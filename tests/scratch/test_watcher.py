@@ -274,7 +274,10 @@ def test_reaching_the_watch_limit_logs_one_line(watched, monkeypatch, caplog) ->
     monkeypatch.setattr(watcher._fd, "add_callback", full)
     for i in range(5):
         write_kernel(root, f"k{i}", {"cuda.shares": {"GPU-a": Decimal("0.1")}})
-    wait_for(lambda: watcher.status().degraded is not None)
+    # Every kernel read (so every watch tried) before the rescan: kernels of one inotify read are
+    # read after its events, and a rescan between the two would find no kernel to watch, say the
+    # watches fit again, and the kernels read after it would hit the limit (and say so) anew.
+    wait_for(lambda: watcher.status().degraded is not None and len(book.view().kernels) == 5)
     watcher._full_scan(force=False)
     lines = [r.getMessage() for r in caplog.records if "watch limit" in r.getMessage()]
     assert len(lines) == 1 and "fs.inotify.max_user_watches=" in lines[0] and "\n" not in lines[0]
