@@ -492,7 +492,8 @@ class ScratchWatcher:
                 return
             if mask & (IN.IN_CREATE | IN.IN_MOVED_TO):
                 self._arm_kernel(w.root, kernel_id)
-                self._mark(w.root, kernel_id, _READ)
+                # Both files: either may have been written before its watch existed.
+                self._mark(w.root, kernel_id, _READ | _IDENTITY)
             else:  # IN_DELETE, IN_MOVED_FROM
                 self._mark(w.root, kernel_id, _GONE)
         elif name == _CONFIG_NAME:  # config/ appeared in a kernel directory: move the watch there
