@@ -23,12 +23,13 @@ from pathlib import Path
 
 import pytest
 from attribution_node import CID, K1, K2, K3, K5, PROC
+from backendai_presets import regex_union, render_preset
 from e2e.harness import Process, Prometheus, StaticExpositions, free_port, wait_until
 from helpers import ROOT
 
 from exporter.demo import demo_devices, write_kernel, write_recovery
 
-jinja2_sandbox = pytest.importorskip("jinja2.sandbox")
+pytest.importorskip("jinja2.sandbox")  # the preset renderer (tests/backendai_presets.py)
 
 pytestmark = [
     pytest.mark.slow,
@@ -159,20 +160,6 @@ def test_identity_joins_with_backendais_own_series(stack: Stack) -> None:
     assert [r["metric"]["agent_id"] for r in dev] == [AGENT]
 
 
-def _render(template: str, labels: dict[str, tuple[str, str]], group_by: set[str], window: str) -> str:
-    """Backend.AI's PromQLTemplateRenderer.render (manager/clients/prometheus/preset.py), verbatim."""
-    env = jinja2_sandbox.ImmutableSandboxedEnvironment(variable_start_string="${{", variable_end_string="}}",
-                                                      undefined=__import__("jinja2").StrictUndefined)
-
-    def escape(value: str) -> str:
-        return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\r", "\\r")
-
-    label_str = ",".join(f'{key}{op}"{escape(value)}"' for key, (op, value) in labels.items())
-    return env.from_string(template).render(labels=label_str, window=window, group_by=",".join(sorted(group_by)))
-
-
-def _regex_union(values: list[str]) -> str:
-    return "|".join(re.escape(v).replace(r"\-", "-") for v in values)  # preset.regex_union
 
 
 def test_presets_rendered_as_backendai_renders_them_give_one_value_per_measured_session(stack: Stack) -> None:
@@ -184,7 +171,7 @@ def test_presets_rendered_as_backendai_renders_them_give_one_value_per_measured_
         if preset["metric_name"] == "gpu_alloc_kernel_busy_gpu_seconds_total":
             continue  # ratios of counters over a window: tests/test_e2e_ledger.py
         # The utilization idle checker: group by session_id, a session_id=~ matcher for the sessions it judges.
-        query = _render(preset["query_template"], {"session_id": ("=~", _regex_union(sessions))}, {"session_id"},
+        query = render_preset(preset["query_template"], {"session_id": ("=~", regex_union(sessions))}, {"session_id"},
                         preset["time_window"] or "5m")
         values = _by(stack.prom.query(query), "session_id")
         # K5's session sits on a MIG slice, where NVML has no per-process samples: no value, never 0.
@@ -196,7 +183,7 @@ def test_presets_rendered_as_backendai_renders_them_give_one_value_per_measured_
             expected = {SESSION[k]: u for k, u in UTIL.items()}
         assert values == pytest.approx(expected, rel=1e-6), preset["name"]
         # Scoped to one session, as for a checker bound to one user's sessions.
-        one = _render(preset["query_template"], {"session_id": ("=~", _regex_union([SESSION[K2]])), "user_id": ("=", USER_B)},
+        one = render_preset(preset["query_template"], {"session_id": ("=~", regex_union([SESSION[K2]])), "user_id": ("=", USER_B)},
                       {"session_id", "user_id"}, preset["time_window"] or "5m")
         assert list(_by(stack.prom.query(one), "session_id")) == [SESSION[K2]]
 

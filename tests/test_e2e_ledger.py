@@ -24,12 +24,13 @@ from pathlib import Path
 
 import pytest
 from attribution_node import CID, K1, K2, K3, K5, PROC
+from backendai_presets import regex_union, render_preset
 from e2e.harness import Process, Prometheus, free_port, wait_until
 from helpers import ROOT
 
 from exporter.demo import demo_devices, write_kernel, write_recovery
 
-jinja2_sandbox = pytest.importorskip("jinja2.sandbox")
+pytest.importorskip("jinja2.sandbox")  # the preset renderer (tests/backendai_presets.py)
 
 pytestmark = [pytest.mark.slow, pytest.mark.tools("prometheus")]
 
@@ -77,20 +78,6 @@ class Serve(Process):
             return ""
 
 
-def _render(template: str, labels: dict[str, tuple[str, str]], group_by: set[str], window: str) -> str:
-    """Backend.AI's PromQLTemplateRenderer.render (manager/clients/prometheus/preset.py)."""
-    env = jinja2_sandbox.ImmutableSandboxedEnvironment(variable_start_string="${{", variable_end_string="}}",
-                                                      undefined=__import__("jinja2").StrictUndefined)
-
-    def escape(value: str) -> str:
-        return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\r", "\\r")
-
-    label_str = ",".join(f'{key}{op}"{escape(value)}"' for key, (op, value) in labels.items())
-    return env.from_string(template).render(labels=label_str, window=window, group_by=",".join(sorted(group_by)))
-
-
-def _regex_union(values: list[str]) -> str:
-    return "|".join(re.escape(v).replace(r"\-", "-") for v in values)  # preset.regex_union
 
 
 def _by(result: list[dict], label: str) -> dict[str, float]:
@@ -146,14 +133,14 @@ def test_the_busy_time_presets_measure_each_session_and_never_judge_an_unmeasure
     node.settle(4.0)
     window = "4s"  # within the exporter's run: its first sample measured no busy time yet (no interval)
     for preset in presets:
-        query = _render(preset["query_template"], {"session_id": ("=~", _regex_union(sessions))}, {"session_id"}, window)
+        query = render_preset(preset["query_template"], {"session_id": ("=~", regex_union(sessions))}, {"session_id"}, window)
         values = wait_until(lambda q=query: _by(node.prom.query(q), "session_id"), 20, "a window of measured samples")
         # K5 is on a MIG slice without per-process counters: no value, so never idle.
         assert set(values) == {SESSION[K1], SESSION[K2], SESSION[K3]}, preset["name"]
         # Busy over held: the SM utilisation of each process (the mock's per-process samples);
         # within what sampling at the window's two ends can move it.
         assert values == pytest.approx({SESSION[k]: u for k, u in UTIL.items()}, abs=0.05), preset["name"]
-        one = _render(preset["query_template"], {"session_id": ("=~", _regex_union([SESSION[K2]])), "user_id": ("=", USER_B)},
+        one = render_preset(preset["query_template"], {"session_id": ("=~", regex_union([SESSION[K2]])), "user_id": ("=", USER_B)},
                       {"session_id", "user_id"}, window)
         assert list(_by(node.prom.query(one), "session_id")) == [SESSION[K2]]
     # The GPU of the MIG slice says why it has no busy value.
