@@ -103,6 +103,7 @@ def agent_views(view: AllocationView, layout: AgentLayout) -> dict[str, Allocati
             parse_errors_total=0,
             created_at=view.created_at,
             alloc_map=MappingProxyType(absolute_alloc_map(allocations)),
+            agent_unreadable=MappingProxyType({k: r for k, r in view.agent_unreadable.items() if k in kernels}),
         )
     return out
 

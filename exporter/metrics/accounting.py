@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from exporter.analysis.model import Accounting
 from exporter.metrics.collectors import Inputs, Part, register
-from exporter.metrics.families import counter, escape_label, float_format, gauge
+from exporter.metrics.families import counter, escape_label, float_format, float_texts, gauge
 from exporter.metrics.status import Health
 
 if TYPE_CHECKING:
@@ -161,6 +161,7 @@ class AccountingText:
     def __init__(self) -> None:
         self._pairs: dict[tuple[str, str], str] = {}  # (kernel_id, GPU) -> '{device_id="…",kernel_id="…"}'
         self._order: list[tuple[str, str]] = []
+        self._ordered_labels: list[str] = []  # the label text of each pair of ``_order``
         self._kernels: dict[str, str] = {}  # kernel_id -> '{kernel_id="…"}'
         self._labels: dict[tuple[str, ...], str] = {}  # a GPU's or an owner's label text (a few dozen)
         self._heads: list[bytes] | None = None
@@ -175,10 +176,8 @@ class AccountingText:
         fmt = float_format()
         heads = [h.decode() for h in self._heads]
         names = [line.split(" ", 3)[2] for line in heads]
-        pairs, order = self._pair_labels(result)
-        out = [heads[0]]
-        shares = result.shares
-        out += [f"{names[0]}{pairs[key]} {fmt(shares[key])}\n" for key in order if key in shares]
+        order, labels = self._pair_labels(result)
+        out = [heads[0], *_pair_lines(names[0], result.shares, order, labels)]
         measured = sorted((k, use) for k, use in result.kernels.items()
                           if use.utilization_ratio is not None or use.memory_ratio is not None)
         out.append(heads[1])
@@ -190,10 +189,7 @@ class AccountingText:
         per_pair = [result.allocated_seconds] + [values for _, _, values in _pair_counters(result)]
         i = 3
         for counters in per_pair:
-            out.append(heads[i])
-            values = dict(counters.items())
-            if values:
-                out += [f"{names[i]}{pairs[key]} {fmt(values[key])}\n" for key in order if key in values]
+            out += [heads[i], *_pair_lines(names[i], counters, order, labels)]
             i += 1
         for _, _, values in _device_counters(result):
             out.append(heads[i])
@@ -220,15 +216,17 @@ class AccountingText:
             text = self._labels[key] = f"{{{inner}}}"
         return text
 
-    def _pair_labels(self, result: Accounting) -> tuple[dict[tuple[str, str], str], list[tuple[str, str]]]:
-        """Each pair's label text, and every pair in the exposition's order (kernel, then GPU:
-        the order of sorting the families' keys), both kept while the pairs are the same."""
+    def _pair_labels(self, result: Accounting) -> tuple[list[tuple[str, str]], list[str]]:
+        """Every pair in the exposition's order (kernel, then GPU: the order of sorting the
+        families' keys) and each one's label text in that order, both kept while the pairs are
+        the same."""
         keys = result.shares.keys() | result.allocated_seconds.keys() | result.busy_seconds.keys() | result.energy_joules.keys()
         if keys != self._pairs.keys():  # kernels came or went: drop the others' labels, add the new ones
             self._pairs = {key: self._pairs.get(key) or f'{{device_id="{escape_label(key[1])}",kernel_id="{escape_label(key[0])}"}}'
                            for key in keys}
             self._order = sorted(keys)
-        return self._pairs, self._order
+            self._ordered_labels = list(map(self._pairs.__getitem__, self._order))
+        return self._order, self._ordered_labels
 
     def _kernel_labels(self, kernel_id: str) -> str:
         text = self._kernels.get(kernel_id)
@@ -237,6 +235,21 @@ class AccountingText:
                 self._kernels.clear()
             text = self._kernels[kernel_id] = f'{{kernel_id="{escape_label(kernel_id)}"}}'
         return text
+
+
+def _pair_lines(name: str, values: Mapping[tuple[str, str], float], order: list[tuple[str, str]],
+                labels: list[str]) -> list[str]:
+    """The sample lines of one per-pair family, in the exposition's order: at 10,000 kernels a
+    render writes tens of thousands of them, so the loops run in ``map`` and ``str.join``."""
+    if not values:
+        return []
+    found = list(map(dict(values.items()).get, order))  # one pass over counters computed when read
+    if len(values) != len(order):  # a family of some pairs only (busy time, energy): the others are None
+        kept = [(label, value) for label, value in zip(labels, found, strict=True) if value is not None]
+        labels, found = [label for label, _ in kept], [value for _, value in kept]
+    # name{labels} value\n, for every pair: the label text and value joined by a space, the lines
+    # by a newline and the name.
+    return [name, f"\n{name}".join(map(" ".join, zip(labels, float_texts(found), strict=True))), "\n"]
 
 
 @register("accounting", "GPU share per kernel, measured use over what it holds, chargeback counters", order=60)

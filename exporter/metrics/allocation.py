@@ -10,14 +10,14 @@ appearing. Sample output::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from decimal import Decimal
 from typing import TYPE_CHECKING
 
 from exporter.metrics.collectors import Inputs, Part, register
 from exporter.metrics.families import counter, escape_label, float_format, gauge
 from exporter.metrics.status import Health
-from exporter.metrics.text import SplicedText
+from exporter.metrics.text import ChunkedText, gzip_member, openmetrics_text
 from exporter.scratch.allocation import AllocationView, Kernel, KernelState, is_accelerator_slot
 from exporter.scratch.identity import Identity
 from exporter.scratch.resources import SlotKind, slot_kind
@@ -57,11 +57,7 @@ def agent_unreadable_families(view: AllocationView) -> list[Metric]:
     kernels = gauge("gpu_alloc_kernel_agent_unreadable",
                  "1 for a kernel whose resource.txt the agent's own reader rejects, by reason (the agent's alloc map stops there)",
                  ["kernel_id", "reason"])
-    # Nearly always none: find them first, then sort those (sorting every kernel id at each
-    # render costs far more than the scan that finds them).
-    unreadable = [(kernel_id, kernel.spec.agent_unreadable) for kernel_id, kernel in view.kernels.items()
-                  if kernel.spec is not None and kernel.spec.agent_unreadable]
-    for kernel_id, reasons in sorted(unreadable):
+    for kernel_id, reasons in sorted(view.agent_unreadable.items()):
         for reason in reasons:
             kernels.add_metric([kernel_id, reason], 1)
     partial = gauge("gpu_alloc_agent_alloc_map_partial",
@@ -112,30 +108,55 @@ def kernel_families(view: AllocationView, agent_id: str | None = None) -> list[M
 
 
 class KernelText:
-    """:func:`kernel_families` as exposition text, re-encoded only for kernels that changed.
+    """:func:`kernel_families` as exposition text, in both formats, re-encoded only for the
+    kernels whose chunk changed.
 
     The book hands out the same immutable :class:`Kernel` object while a kernel is unchanged, so
-    a render encodes the kernels whose object changed and copies the others' lines from the last
-    text (:class:`SplicedText`): after one file changes, a render encodes one kernel and copies
-    the rest, a small fraction of what ``generate_latest`` spends on every sample, and no second
-    copy of the per-kernel text (nearly all of the exposition) is kept. The text equals
-    ``generate_latest`` over :func:`kernel_families` (a test holds them together).
+    a render re-encodes the chunk of neighbouring kernels (:class:`ChunkedText`) a changed kernel
+    is in and hands out the others' text (or gzip members) as they were: after one file changes,
+    a render encodes a few dozen kernels and compresses a few KiB, at any number of kernels. The
+    samples of these gauges read the same in OpenMetrics; only the HELP, TYPE and UNIT lines
+    between them differ, so the OpenMetrics form of a render shares its samples' bytes. The text
+    equals ``generate_latest`` over :func:`kernel_families` (a test holds them together), and
+    the OpenMetrics form :func:`~exporter.metrics.text.openmetrics_text` of it.
 
-    :param gzipped: render (and keep) the text as a gzip member only (:class:`SplicedText`).
+    :param gzipped: render (and keep) the text as gzip members only.
     """
 
     def __init__(self, agent_id: str | None = None, gzipped: bool = False) -> None:
         self._agent_id = agent_id
-        self._text = SplicedText(len(_KERNEL_FAMILIES), gzipped=gzipped)
-        self._headers = tuple(f"# HELP {name} {doc}\n# TYPE {name} gauge\n".encode() for name, doc in _KERNEL_FAMILIES)
+        self._gzipped = gzipped
+        self._text = ChunkedText(len(_KERNEL_FAMILIES), gzipped=gzipped)
+        headers = [f"# HELP {name} {doc}\n# TYPE {name} gauge\n".encode() for name, doc in _KERNEL_FAMILIES]
+        # The first header is written after each render's head; the others never change.
+        self._headers = (headers[0], *map(self._pack, headers[1:]))
+        self._om_headers = (openmetrics_text(headers[0]), *(self._pack(openmetrics_text(h)) for h in headers[1:]))
+        self._openmetrics = b""
+
+    def _pack(self, text: bytes) -> bytes:
+        return gzip_member(text) if self._gzipped else text
 
     def render(self, view: AllocationView, head: bytes = b"") -> bytes:
-        """The per-kernel families after ``head`` (joined here, so the text is never copied again),
-        as a gzip member if ``gzipped``."""
-        first, *others = self._headers
+        """The per-kernel families after ``head`` (the text of the families before them), as gzip
+        members if ``gzipped``; :meth:`openmetrics` then gives the same render's OpenMetrics form."""
         fmt = float_format()
-        return self._text.render(view.kernels, lambda kid, kernel: _encode(kid, kernel, self._agent_id, fmt),
-                                 (head + first, *others, b""))
+        sections = self._text.render(view.kernels, lambda kid, kernel: _encode(kid, kernel, self._agent_id, fmt))
+        text = self._join(self._pack(head + self._headers[0]), self._headers[1:], sections)
+        self._openmetrics = self._join(self._pack(openmetrics_text(head) + self._om_headers[0]), self._om_headers[1:], sections)
+        return text
+
+    def openmetrics(self) -> bytes:
+        """The last render in OpenMetrics 1.0 (less ``# EOF``), in the same encoding. No
+        ``_created``: its head's counters are written without."""
+        return self._openmetrics
+
+    @staticmethod
+    def _join(first: bytes, headers: Sequence[bytes], sections: list[list[bytes]]) -> bytes:
+        pieces = [first, *sections[0]]
+        for header, section in zip(headers, sections[1:], strict=True):
+            pieces.append(header)
+            pieces += section
+        return b"".join(pieces)
 
 
 def _encode(kernel_id: str, kernel: Kernel, agent_id: str | None, fmt: Callable[[float], str]) -> tuple[bytes, ...]:
@@ -191,4 +212,5 @@ def _scratch(inputs: Inputs) -> list[Part]:
         scans = inputs.watcher().last_scan
         return Health(bool(scans) and all(s.ok for s in scans), sum(s.duration_seconds for s in scans))
 
-    return [Part("scratch", families, lambda: inputs.view().version, text, health, gzipped=True)]
+    return [Part("scratch", families, lambda: inputs.view().version, text, health, gzipped=True,
+                 openmetrics=kernel_text.openmetrics)]

@@ -41,6 +41,8 @@ class Part:
         ``success 0`` even though its families render); None: the render's own success.
     :param gzipped: ``text`` gives the text as a gzip member, and only that is cached: a plain
         scrape decompresses it.
+    :param openmetrics: the OpenMetrics 1.0 form of what the last ``text`` call gave, in the same
+        encoding, without ``_created`` samples; None (or ``_created`` on): converted from the text.
     """
 
     name: str
@@ -49,6 +51,7 @@ class Part:
     text: Callable[[], bytes] | None = None
     health: Callable[[], Health] | None = None
     gzipped: bool = False
+    openmetrics: Callable[[], bytes] | None = None
 
 
 @dataclass(frozen=True)

@@ -5,13 +5,16 @@ docs/metrics.md. Kept out of ``web/`` so the command line prints them without th
 
 from __future__ import annotations
 
+import gzip
+import io
 import json
 import threading
+import weakref
 from decimal import Decimal
 from typing import Any
 
 from exporter.analysis.model import NodeState
-from exporter.metrics.text import SplicedText
+from exporter.metrics.text import ChunkedText
 from exporter.scratch.allocation import AllocationView, Kernel
 
 __all__ = ["StateText", "json_bytes", "json_default", "state_document"]
@@ -39,37 +42,68 @@ def state_document(view: AllocationView, roots: list[str], node: NodeState | Non
 
 
 class StateText:
-    """:func:`state_document` as JSON text, built once per change and per kernel.
+    """:func:`state_document` as JSON text, each kernel's entry encoded again only when its
+    kernel changed, and kept only compressed between requests.
 
-    The text is cached against the view's version and the node state, so a client polling
-    ``/api/v1/state`` costs nothing until something moves; each kernel's entry is encoded again
-    only when its immutable :class:`~exporter.scratch.allocation.Kernel` object changed, the
-    others copied from the last text (:class:`~exporter.metrics.text.SplicedText`), so a
-    change re-encodes one kernel, not all of them. The bytes equal
-    ``json.dumps(state_document(...), indent=1)`` (a test holds them together).
+    The entries are kept per chunk of neighbouring kernels as gzip members
+    (:class:`~exporter.metrics.text.ChunkedText`, with weak references to the kernels, so that
+    ended kernels are not kept alive until the next request): a document after a change encodes
+    that kernel's chunk and inflates the rest (50,000 kernels: a 36 MiB document, kept as under
+    2 MiB; BENCHMARKS.md, "50,000 kernels: peaks and deletion"). Neither the view nor the last
+    document is kept.
+
+    :meth:`render` hands out a read-only :class:`memoryview` of the document and keeps a weak
+    reference to it, with the view's version and node state it was built from: while a response
+    is still writing that document, another request for the same version gets the same object
+    (the server counts one body once against its held-bytes budget). The members are inflated
+    into one :class:`io.BytesIO`, whose buffer becomes the document without a copy, so a
+    render's peak is the document and one chunk. The bytes equal ``json.dumps(state_document(...),
+    indent=1)`` and a newline (a test holds them together).
     """
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._entries = SplicedText(1, sep=b",\n")
-        self._last: tuple[tuple[int, NodeState | None, tuple[str, ...]], bytes] | None = None
+        self._lock = threading.Lock()  # one render at a time: a second request for it waits and shares it
+        self._entries = ChunkedText(1, gzipped=True, weak=True)
+        # (version, node state, roots) -> the document while a response holds it.
+        self._last: tuple[tuple[int, NodeState | None, tuple[str, ...]], weakref.ref[memoryview]] | None = None
 
-    def render(self, view: AllocationView, roots: list[str], node: NodeState | None = None) -> bytes:
+    def render(self, view: AllocationView, roots: list[str], node: NodeState | None = None) -> memoryview:
+        """The document of ``view``: a read-only memoryview of its bytes (bytes-like; ``bytes()`` copies)."""
         key = (view.version, node, tuple(roots))
         with self._lock:
-            if self._last is not None and self._last[0] == key:
-                return self._last[1]
-            head = json.dumps({**_head(view, roots, node), "kernels": []}, indent=1, default=json_default)
-            # "kernels" is the last key, so the document ends with its empty list: splice the entries in.
-            frame = (head[: -len("[]\n}")] + "[\n", "\n ]\n}\n") if view.kernels else (head + "\n", "")
-            text = self._entries.render(view.kernels, _entry, [f.encode() for f in frame])
-            self._last = (key, text)
-            return text
+            last = self._last
+            document = last[1]() if last is not None and last[0] == key else None
+            if document is None:
+                self._last = None
+                members = self._entries.render(view.kernels, _entry)[0]
+                document = memoryview(_document(view, roots, node, members))  # of bytes: read-only
+                self._last = (key, weakref.ref(document))
+            return document
 
 
-def _entry(_: str, kernel: Kernel) -> tuple[bytes]:
+def _document(view: AllocationView, roots: list[str], node: NodeState | None, members: list[bytes]) -> bytes:
+    head = json.dumps({**_head(view, roots, node), "kernels": []}, indent=1, default=json_default)
+    if not members:
+        return (head + "\n").encode()
+    out = io.BytesIO()
+    # "kernels" is the last key, so the head ends with its empty list: write the entries there.
+    out.write((head[: -len("[]\n}")] + "[\n").encode())
+    for n, member in enumerate(members):
+        entries = gzip.decompress(member)
+        out.write(memoryview(entries)[len(_SEP):] if n == 0 else entries)  # no separator before the first
+    out.write(b"\n ]\n}\n")
+    # getvalue() trims BytesIO's buffer in place and hands it over (no export of it is open):
+    # the document is never copied.
+    return out.getvalue()
+
+
+_SEP = b",\n"  # written before every entry; the first one's is left out
+_ENTRY = json.JSONEncoder(indent=1, default=json_default)  # json.dumps' encoder, built once
+
+
+def _entry(kernel_id: str, kernel: Kernel) -> tuple[bytes]:
     # Entries sit at depth 2 of the document: indent every line by two more spaces.
-    return (("  " + json.dumps(_kernel(kernel), indent=1, default=json_default).replace("\n", "\n  ")).encode(),)
+    return (_SEP + ("  " + _ENTRY.encode(_kernel(kernel)).replace("\n", "\n  ")).encode(),)
 
 
 def _head(view: AllocationView, roots: list[str], node: NodeState | None) -> dict[str, Any]:

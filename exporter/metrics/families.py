@@ -8,13 +8,16 @@ itself is built after readiness.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from prometheus_client.core import Metric
 
-__all__ = ["counter", "escape_label", "float_format", "gauge"]
+_INF = float("inf")
+
+__all__ = ["counter", "escape_label", "float_format", "float_texts", "gauge"]
 
 
 def gauge(name: str, doc: str, labels: Iterable[str] = (), *, value: float | None = None) -> Metric:
@@ -36,10 +39,29 @@ def counter(name: str, doc: str, labels: Iterable[str] = (), *, value: float | N
 
 
 def float_format() -> Callable[[float], str]:
-    """How the text format (and prometheus_client) writes a sample value; fetched once per render."""
+    """How the text format (and prometheus_client) writes a sample value; fetched once per render.
+
+    prometheus_client's ``floatToGoString`` is Python code per sample; for a float below 10**6
+    (every ratio, and most counters) it returns ``repr``, so that case skips the call: renderers
+    of thousands of samples spend most of their time here.
+    """
     from prometheus_client.utils import floatToGoString
 
-    return floatToGoString
+    def go_float(value: float) -> str:
+        if value.__class__ is float and -_INF < value < 1e6:
+            return repr(value)
+        return floatToGoString(value)
+
+    return go_float
+
+
+def float_texts(values: list[float]) -> Iterable[str]:
+    """:func:`float_format` of each value, for renderers of thousands of samples: where every
+    value is a float in the range that writes as ``repr`` (checked in C: types, sum, max), the
+    loop runs in ``map``."""
+    if values and set(map(type, values)) == {float} and math.isfinite(sum(values)) and max(values) < 1e6:
+        return map(repr, values)
+    return map(float_format(), values)
 
 
 def escape_label(value: str) -> str:

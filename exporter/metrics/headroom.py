@@ -14,10 +14,11 @@ Device ids are the agent's (as in ``resource.txt``). Every figure is explained, 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from decimal import Decimal
 from typing import TYPE_CHECKING
 
-from exporter.analysis.model import Analysis, HeadroomFigures, Liveness, NodeState, is_fractional_slot
+from exporter.analysis.model import Analysis, HeadroomFigures, KernelLiveness, Liveness, NodeState, is_fractional_slot
 from exporter.metrics.collectors import Inputs, Part, register
 from exporter.metrics.families import gauge
 
@@ -27,19 +28,39 @@ if TYPE_CHECKING:
 __all__ = ["headroom_families"]
 
 
-def headroom_families(model: Analysis) -> list[Metric]:
-    """Every headroom family of one read model."""
+def headroom_families(model: Analysis, liveness_rows: LivenessRows | None = None) -> list[Metric]:
+    """Every headroom family of one read model (``liveness_rows``: kept across renders, so that
+    a render after a kernel change does not walk every kernel's liveness verdict again)."""
     return [
         *_device_families(model.state),
         *_node_families(model.state, model.headroom),
         *_mig_families(model.headroom),
-        *_stale_families(model),
+        *_stale_families(model, liveness_rows or LivenessRows()),
     ]
 
 
 @register("headroom", "capacity, free space, headroom, request fits, fragmentation, MIG and stale allocations", order=40)
 def _headroom(inputs: Inputs) -> list[Part]:
-    return [Part("headroom", lambda: headroom_families(inputs.model()), lambda: inputs.model().headroom_version)]
+    rows = LivenessRows()
+    return [Part("headroom", lambda: headroom_families(inputs.model(), rows), lambda: inputs.model().headroom_version)]
+
+
+class LivenessRows:
+    """The stale kernels (sorted) and the count per status of one liveness result, kept until
+    the next one: liveness has a verdict for every kernel and moves every few seconds at most,
+    while the headroom families are rendered again on every kernel change."""
+
+    def __init__(self) -> None:
+        self._of: Mapping[str, KernelLiveness] | None = None
+        self._rows: tuple[list[tuple[str, str]], Counter] = ([], Counter())
+
+    def __call__(self, liveness: Mapping[str, KernelLiveness]) -> tuple[list[tuple[str, str]], Counter]:
+        """(kernel id, reason) of each stale kernel, in kernel id order, and verdicts per status."""
+        if liveness is not self._of:
+            # Sort only the stale ones: at 10,000 kernels sorting every verdict would dominate.
+            stale = sorted((k, v.reason) for k, v in liveness.items() if v.status is Liveness.STALE)
+            self._rows, self._of = (stale, Counter(v.status for v in liveness.values())), liveness
+        return self._rows
 
 
 def _device_families(state: NodeState) -> list[Metric]:
@@ -140,7 +161,7 @@ def _mig_families(figures: HeadroomFigures) -> list[Metric]:
     return [creatable, reachable]
 
 
-def _stale_families(model: Analysis) -> list[Metric]:
+def _stale_families(model: Analysis, liveness_rows: LivenessRows) -> list[Metric]:
     state, liveness = model.state, model.liveness
     cgroup_visible = model.cgroups.visible if model.cgroups else None
     held = gauge(
@@ -153,10 +174,9 @@ def _stale_families(model: Analysis) -> list[Metric]:
         held.add_metric([device_id, slot], float(amount))
     stale = gauge("gpu_alloc_kernel_stale", "1 for each stale kernel, with why it is judged stale", ["kernel_id", "reason"])
     counts = gauge("gpu_alloc_kernels_liveness", "Kernel scratch directories by liveness (live, stale, unknown)", ["status"])
-    by_status = Counter(verdict.status for verdict in liveness.values())
-    # Sort only the stale ones: at 10,000 kernels sorting every verdict would dominate a render.
-    for kernel_id, verdict in sorted((k, v) for k, v in liveness.items() if v.status is Liveness.STALE):
-        stale.add_metric([kernel_id, verdict.reason], 1)
+    stale_rows, by_status = liveness_rows(liveness)
+    for kernel_id, reason in stale_rows:
+        stale.add_metric([kernel_id, reason], 1)
     for status in Liveness:
         counts.add_metric([status.value], by_status[status])
     out: list[Metric] = [held, stale, counts]

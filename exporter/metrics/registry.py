@@ -242,12 +242,17 @@ class ExporterCollector(Collector):
         return body
 
     def _openmetrics(self, part: Part, cached: _Cached) -> _Cached:
-        """``cached`` with the OpenMetrics form of its text, kept in the same encodings as the text."""
-        created = None
-        if self._created is not None:
-            created = self._created.setdefault(part.name, CreatedTimes())
-        text = openmetrics_text(cached.plain(), created, cached.rendered_at)
-        cached = dataclasses.replace(cached, om_gzipped=gzip_member(text)) if cached.text is None else dataclasses.replace(cached, om_text=text)
+        """``cached`` with the OpenMetrics form of its text, kept in the same encoding as the text."""
+        if self._created is None and part.openmetrics is not None:
+            form = part.openmetrics()  # made with the text ``cached`` holds (both under this lock)
+        else:
+            created = None
+            if self._created is not None:
+                created = self._created.setdefault(part.name, CreatedTimes())
+            form = openmetrics_text(cached.plain(), created, cached.rendered_at)
+            if cached.text is None:
+                form = gzip_member(form)
+        cached = dataclasses.replace(cached, **{"om_gzipped" if cached.text is None else "om_text": form})
         self._cache[part.name] = cached
         return cached
 

@@ -1,4 +1,4 @@
-"""Exposition text kept as bytes: gzip members, text spliced from per-key segments, and the
+"""Exposition text kept as bytes: gzip members, text kept in chunks of per-key segments, and the
 OpenMetrics 1.0 form of text format 0.0.4.
 
 Nothing here needs prometheus_client, so the JSON routes use it too, and importing it costs the
@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import gzip
 import re
-from array import array
-from collections.abc import Callable, Mapping, Sequence
-from itertools import accumulate
+import weakref
+from bisect import bisect_right, insort
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TypeVar
 
-__all__ = ["OPENMETRICS_EOF", "CreatedTimes", "SplicedText", "gzip_member", "openmetrics_text"]
+__all__ = ["OPENMETRICS_EOF", "ChunkedText", "CreatedTimes", "gzip_member", "openmetrics_text"]
 
 T = TypeVar("T")
 
@@ -25,89 +25,132 @@ def gzip_member(text: bytes) -> bytes:
     return gzip.compress(text, compresslevel=1)
 
 
-class SplicedText:
-    """Text made of per-key segments in key order, one segment per key in each of ``sections``
-    sections; a render encodes only the keys whose object changed and copies the rest from the
-    previous output.
+class ChunkedText:
+    """Sections of per-key segments in key order, kept in chunks of neighbouring keys, so that a
+    render encodes, joins and compresses only the chunks whose keys changed.
 
-    The objects must be immutable, so that the same object always encodes to the same segments
-    (the allocation book hands out the same :class:`~exporter.scratch.allocation.Kernel` while a
-    kernel is unchanged). The previous output *is* the cache: a cache of each key's segments
-    would hold the text twice, plus an object header per segment; here each key costs a 4-byte
-    length per section. Unchanged
-    neighbours are copied in runs, one slice per run, so after one change the new text is one
-    join of a few pieces.
+    Each section's text is every key's segment in that section, in key order. The keys are kept
+    in chunks of about ``chunk_keys`` neighbours (bounded by their first keys, as a B-tree's
+    leaves are, so a new key joins the chunk it sorts into and the others keep their contents);
+    each chunk keeps its own text per section, or that text as a gzip member, and members
+    concatenated are one gzip stream (RFC 1952). After one key changes a render re-encodes one
+    chunk and hands out the same bytes objects for the rest: the cost of a change is one chunk's,
+    not the whole text's, at any number of keys.
+
+    The objects must be immutable, so that an unchanged object encodes to the same segments (the
+    allocation book hands out the same :class:`~exporter.scratch.allocation.Kernel` while a
+    kernel is unchanged); objects compare with ``==``, which is identity first.
 
     Not thread-safe: the caller serialises renders.
 
     :param sections: segments per key (a key with nothing in a section encodes ``b""`` there).
-    :param sep: written between neighbouring segments of a section.
-    :param gzipped: keep the last text only as a gzip member (:func:`gzip_member`), and render
-        that: an order of magnitude smaller, decompressed by the next render to copy from.
+    :param gzipped: keep (and hand out) each chunk's sections as gzip members
+        (:func:`gzip_member`): an order of magnitude smaller than the text.
+    :param weak: keep weak references to the objects a chunk was encoded from, not the objects:
+        for a renderer called rarely, which must not keep ended objects alive until its next call.
+    :param chunk_keys: the chunk size aimed at. A chunk is split past twice this and merged into
+        its neighbour below a quarter of it: 64 keys keep a chunk's gzip member within a few KiB
+        of the text compressed whole while a change re-encodes a few dozen keys.
     """
 
-    def __init__(self, sections: int, sep: bytes = b"", gzipped: bool = False) -> None:
+    def __init__(self, sections: int, *, gzipped: bool = False, weak: bool = False, chunk_keys: int = 64) -> None:
+        if chunk_keys < 4:
+            raise ValueError("chunk_keys must be at least 4")
         self._sections = sections
-        self._sep = sep
         self._gzipped = gzipped
-        self._last = b""  # the last render's output: the text, or its gzip member
-        self._objects: Mapping[str, object] = {}  # what the last text was encoded from
-        self._order: list[str] = []  # its keys, sorted
-        self._section_starts: list[int] = []  # where each section begins in the last text
-        # Per section, per key of ``_order``: its segment's length plus ``len(sep)``, as if every
-        # segment were followed by a separator (bytes; "I": 4 bytes, far above one key's lines).
-        self._strides = array("I")
+        self._weak = weak
+        self._target = chunk_keys
+        self._chunks: list[_Chunk] = []  # in key order
+        self._firsts: list[str] = []  # each chunk's first key, for bisect
+        self._keys: set[str] = set()  # every key of the last render
 
-    def render(self, objects: Mapping[str, T], encode: Callable[[str, T], Sequence[bytes]], frame: Sequence[bytes]) -> bytes:
-        """``frame[0]``, section 0, ``frame[1]``, …, ``frame[sections]`` (as a gzip member if ``gzipped``).
+    def render(self, objects: Mapping[str, T], encode: Callable[[str, T], Sequence[bytes]]) -> list[list[bytes]]:
+        """Per section, its pieces in key order (gzip members if ``gzipped``; empty ones left out):
+        ``b"".join`` of a section's pieces is its text or gzip stream.
 
-        :param objects: key -> the object its segments are encoded from; keys sorted as ``str``.
+        :param objects: key -> the object its segments are encoded from.
         :param encode: ``(key, object)`` -> its segment in each section.
         """
-        old_order, old_objects, n_old = self._order, self._objects, len(self._order)
-        order = old_order if objects.keys() == old_objects.keys() else sorted(objects)
-        # The new sections, key by key: [first, last] old positions of neighbours copied
-        # together, or [None, the segments of a key encoded afresh].
-        parts: list[list] = []
-        i = 0
-        for key in order:  # both orders are sorted: one merge walk finds every old position
-            while i < n_old and old_order[i] < key:
-                i += 1
-            obj = objects[key]
-            if i < n_old and old_order[i] == key and old_objects[key] is obj:
-                if parts and parts[-1][0] is not None and parts[-1][1] == i - 1:
-                    parts[-1][1] = i
-                else:
-                    parts.append([i, i])
+        keys, touched = objects.keys(), set()
+        if not self._chunks:
+            order = sorted(keys)
+            self._chunks = [_Chunk(order[i:i + self._target]) for i in range(0, len(order), self._target)]
+            self._keys = set(keys)
+        elif keys != self._keys:  # a set comparison, no copy: keys come and go far less often than they change
+            new = set(keys)
+            touched = self._move_keys(self._keys - new, new - self._keys)
+            self._keys = new
+        get = objects.__getitem__
+        for n, chunk in enumerate(self._chunks):
+            current = list(map(get, chunk.keys))
+            kept = chunk.objects
+            if self._weak and kept is not None:
+                kept = list(map(_dereference, kept))  # None for an object gone since
+            if n in touched or current != kept:
+                self._encode(chunk, current, encode)
+        self._firsts = [c.keys[0] for c in self._chunks]
+        return [[c.pieces[s] for c in self._chunks if c.pieces[s]] for s in range(self._sections)]
+
+    def _move_keys(self, gone: Iterable[str], came: Iterable[str]) -> set[int]:
+        """Keys that went leave their chunks and keys that came join the chunks they sort into;
+        chunks grown past twice the target are split, those shrunk below a quarter of it merged
+        into their lower neighbour and empty ones dropped. The indexes of the chunks whose keys
+        moved."""
+        firsts, chunks = self._firsts, self._chunks
+        moved: set[int] = set()
+        for key in gone:
+            n = max(bisect_right(firsts, key) - 1, 0)
+            chunks[n].keys.remove(key)
+            moved.add(n)
+        for key in came:
+            n = max(bisect_right(firsts, key) - 1, 0)
+            insort(chunks[n].keys, key)
+            moved.add(n)
+        rebuilt: list[_Chunk] = []
+        touched: set[int] = set()
+        for n, chunk in enumerate(chunks):
+            if n not in moved:
+                rebuilt.append(chunk)
+                continue
+            if not chunk.keys:
+                continue
+            if rebuilt and len(chunk.keys) < self._target // 4:
+                # Too small to be worth members of its own: joins its lower neighbour.
+                chunk, low = rebuilt.pop(), chunk
+                chunk.keys.extend(low.keys)
+                chunk.objects = None
+            if len(chunk.keys) > 2 * self._target:
+                for i in range(0, len(chunk.keys), self._target):
+                    touched.add(len(rebuilt))
+                    rebuilt.append(_Chunk(chunk.keys[i:i + self._target]))
             else:
-                parts.append([None, encode(key, obj)])
-        old = gzip.decompress(self._last) if self._gzipped and n_old else self._last
-        sep, old, old_strides = self._sep, memoryview(old), self._strides
-        pieces, strides, section_starts, pos = [], array("I"), [], 0
+                touched.add(len(rebuilt))
+                rebuilt.append(chunk)
+        self._chunks = rebuilt
+        return touched
+
+    def _encode(self, chunk: _Chunk, current: list, encode: Callable[[str, T], Sequence[bytes]]) -> None:
+        segments = [encode(k, o) for k, o in zip(chunk.keys, current, strict=True)]
+        pieces = []
         for s in range(self._sections):
-            pieces.append(frame[s])
-            pos += len(frame[s])
-            section_starts.append(pos)
-            base = s * n_old
-            # Where each old key's segment began (the last entry: the section's end + len(sep)).
-            offsets = list(accumulate(old_strides[base:base + n_old], initial=self._section_starts[s])) if n_old else []
-            for n, (first, last) in enumerate(parts):
-                if n:
-                    pieces.append(sep)
-                    pos += len(sep)
-                if first is None:
-                    piece = last[s]
-                    strides.append(len(piece) + len(sep))
-                else:
-                    piece = old[offsets[first]:offsets[last + 1] - len(sep)]
-                    strides.extend(old_strides[base + first:base + last + 1])
-                pieces.append(piece)
-                pos += len(piece)
-        pieces.append(frame[self._sections])
-        text = b"".join(pieces)
-        self._last = gzip_member(text) if self._gzipped else text
-        self._objects, self._order, self._section_starts, self._strides = objects, order, section_starts, strides
-        return self._last
+            text = b"".join(seg[s] for seg in segments)
+            pieces.append(gzip_member(text) if self._gzipped and text else text)
+        chunk.objects, chunk.pieces = list(map(weakref.ref, current)) if self._weak else current, pieces
+
+
+_dereference = weakref.ref.__call__
+
+
+class _Chunk:
+    """Neighbouring keys (sorted), the objects their text was encoded from, and that text per
+    section (or its gzip member)."""
+
+    __slots__ = ("keys", "objects", "pieces")
+
+    def __init__(self, keys: list[str]) -> None:
+        self.keys = keys
+        self.objects: list | None = None  # None: not encoded yet
+        self.pieces: list[bytes] = []
 
 
 # -- OpenMetrics ---------------------------------------------------------------------------------

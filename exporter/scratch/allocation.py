@@ -128,9 +128,10 @@ class KernelState(str, Enum):
     INVALID = "invalid"  # resource.txt is malformed; the last good allocation is kept
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, weakref_slot=True)
 class Kernel:
-    """One kernel's scratch directory as last seen."""
+    """One kernel's scratch directory as last seen (weakly referable: renderers that keep what
+    they last encoded must not keep ended kernels alive)."""
 
     kernel_id: str
     scratch_root: str
@@ -167,6 +168,9 @@ class AllocationView:
     # Backend.AI's ``gpu_alloc_map``: per device id, ``cuda.shares`` + ``cuda.device``, as
     # ``str(Decimal)`` exactly as the agent's RPC returns it (devices with no entry are absent).
     alloc_map: Mapping[str, str]
+    # kernel id -> why the agent's own reader rejects its file (ResourceSpec.agent_unreadable);
+    # nearly always empty, and kept as kernels change so that no reader walks every kernel for it.
+    agent_unreadable: Mapping[str, tuple[str, ...]]
 
     def device_ids(self) -> frozenset[str]:
         return frozenset(d for d, _ in self.device_totals)
@@ -237,6 +241,7 @@ class AllocationBook:
         self._node = _Totals()
         # Kept as kernels change, so that a view costs a copy of the kernel table, not a pass over it.
         self._states = dict.fromkeys(KernelState, 0)
+        self._unreadable: dict[str, tuple[str, ...]] = {}
         self._version = 0
         self._errors_total = 0
         self._view: AllocationView | None = None
@@ -332,6 +337,7 @@ class AllocationBook:
                     alloc_map=MappingProxyType(self._alloc_map()),
                     node_totals=MappingProxyType(dict(self._node.sums)),
                     state_counts=MappingProxyType(dict(self._states)),
+                    agent_unreadable=MappingProxyType(dict(self._unreadable)),
                     parse_errors_total=self._errors_total,
                     created_at=self._clock(),
                 )
@@ -357,10 +363,13 @@ class AllocationBook:
         if old is not None:
             self._count(old.allocations, -1)
             self._states[old.state] -= 1
+            self._unreadable.pop(old.kernel_id, None)
         if new is not None:
             self._count(new.allocations, +1)
             self._states[new.state] += 1
             self._kernels[new.kernel_id] = new
+            if new.spec is not None and new.spec.agent_unreadable:
+                self._unreadable[new.kernel_id] = tuple(new.spec.agent_unreadable)
         elif old is not None:
             del self._kernels[old.kernel_id]
 

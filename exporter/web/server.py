@@ -92,7 +92,7 @@ class Request:
 @dataclass
 class Response:
     status: int = 200
-    body: bytes = b""
+    body: bytes | memoryview = b""  # a read-only memoryview: a document shared with other responses, not copied
     content_type: str = "text/plain; charset=utf-8"
     headers: dict[str, str] = field(default_factory=dict)
 
@@ -858,7 +858,7 @@ class _Writing:
     """A response body being written: to which connections (their tasks), and whether they are
     being dropped to make room (:meth:`HttpServer._drop_superseded`)."""
 
-    body: bytes
+    body: bytes | memoryview
     encoding: str | None  # an exposition's form: content type and Content-Encoding; None: a document
     tasks: set[asyncio.Task]
     dropped: bool = False
@@ -898,7 +898,8 @@ class _Held(Response):
     body). ``encoding``: an exposition's form (content type and Content-Encoding); None for an
     offloaded route's document, which :meth:`HttpServer.stats` shows."""
 
-    def __init__(self, status: int, body: bytes, content_type: str, headers: dict[str, str], encoding: str | None) -> None:
+    def __init__(self, status: int, body: bytes | memoryview, content_type: str, headers: dict[str, str],
+                 encoding: str | None) -> None:
         super().__init__(status, body, content_type, headers)
         self.encoding = encoding
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import re
 import subprocess
+from decimal import Decimal
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ from exporter.metrics.allocation import KernelText, allocation_families, kernel_
 from exporter.metrics.exporter import build_info, watcher_families
 from exporter.metrics.registry import ExporterCollector, Part, render_families
 from exporter.metrics.status import Health
-from exporter.metrics.text import SplicedText, gzip_member
+from exporter.metrics.text import ChunkedText, gzip_member, openmetrics_text
 from exporter.scratch.allocation import AllocationBook
 from exporter.scratch.reader import Scanner, ScanStats
 from exporter.scratch.watcher import WatcherStatus
@@ -181,16 +182,16 @@ def _segments(key: str, obj: _Obj) -> tuple[bytes, ...]:
     return (f"{key}={obj.value}".encode(), obj.value.encode() * (len(obj.value) % 2), f"[{key}\u00e9]".encode())
 
 
-@settings(max_examples=150, deadline=None)
-@given(st.sampled_from([b"", b",\n"]), st.booleans(),
-       st.lists(st.lists(st.tuples(st.sampled_from("abcdefgh"), st.one_of(st.none(), st.text(max_size=4))), max_size=6),
+@settings(max_examples=200, deadline=None)
+@given(st.booleans(), st.integers(min_value=4, max_value=6),
+       st.lists(st.lists(st.tuples(st.text("abcdefghijkl", min_size=1, max_size=2),
+                                   st.one_of(st.none(), st.text(max_size=4))), max_size=30),
                 max_size=8))
-def test_spliced_text_equals_encoding_everything_again(sep, gzipped, steps) -> None:
-    """Keys come, change (a new object, same value or not) and go between renders; each render
-    equals every key encoded afresh, in key order, whatever was copied from the last one (kept
-    plain or as a gzip member)."""
-    spliced, objects = SplicedText(3, sep, gzipped), {}
-    frame = (b"<", b"|", b"||", b">")
+def test_chunked_text_equals_encoding_everything_again(gzipped, chunk_keys, steps) -> None:
+    """Keys come, change (a new object, same value or not) and go between renders, in numbers
+    that split, merge and empty chunks; each render equals every key encoded afresh, in key
+    order, whatever was kept from the last one (plain or as gzip members)."""
+    chunked, objects = ChunkedText(3, gzipped=gzipped, chunk_keys=chunk_keys), {}
     for n, step in enumerate([[], *steps]):
         for key, value in step:
             if value is None:
@@ -198,26 +199,54 @@ def test_spliced_text_equals_encoding_everything_again(sep, gzipped, steps) -> N
             else:
                 objects[key] = _Obj(value)
         full = [_segments(k, objects[k]) for k in sorted(objects)]
-        expected = frame[0] + b"".join(sep.join(seg[s] for seg in full) + frame[s + 1] for s in range(3))
-        out = spliced.render(dict(objects), _segments, frame)
-        assert (gzip.decompress(out) if gzipped else out) == expected, n
+        sections = chunked.render(dict(objects), _segments)
+        assert len(sections) == 3
+        for s, pieces in enumerate(sections):
+            joined = b"".join(pieces)
+            assert (gzip.decompress(joined) if gzipped else joined) == b"".join(seg[s] for seg in full), (n, s)
+        assert all(len(c.keys) <= 2 * chunk_keys for c in chunked._chunks)
 
 
-def test_spliced_text_encodes_only_changed_keys() -> None:
+def test_chunked_text_encodes_only_the_chunks_of_changed_keys() -> None:
     encoded = []
 
     def encode(key: str, obj: _Obj) -> tuple[bytes]:
         encoded.append(key)
         return (obj.value.encode(),)
 
-    spliced = SplicedText(1, b",")
-    objects = {k: _Obj(k * 2) for k in "dcba"}
-    assert spliced.render(objects, encode, (b"[", b"]")) == b"[aa,bb,cc,dd]"
-    objects = {**objects, "b": _Obj("B"), "e": _Obj("E")}
-    del objects["c"]
+    chunked = ChunkedText(1, chunk_keys=4)
+    keys = [f"k{i:02}" for i in range(12)]  # three chunks of four
+    objects = {k: _Obj(k) for k in keys}
+    before = chunked.render(objects, encode)[0]
+    assert b"".join(before) == "".join(keys).encode() and len(before) == 3
     encoded.clear()
-    assert spliced.render(objects, encode, (b"[", b"]")) == b"[aa,B,dd,E]"
-    assert sorted(encoded) == ["b", "e"]
+    objects = {**objects, "k05": _Obj("K05"), "k050": _Obj("new")}
+    after = chunked.render(objects, encode)[0]
+    assert sorted(encoded) == ["k04", "k05", "k050", "k06", "k07"]  # the middle chunk only
+    assert after[0] is before[0] and after[2] is before[2]  # the others' bytes handed out as they were
+    assert b"".join(after) == b"k00k01k02k03k04K05newk06k07k08k09k10k11"
+    encoded.clear()
+    assert chunked.render(objects, encode)[0] == after and encoded == []  # nothing changed: nothing encoded
+
+
+def test_kernel_text_openmetrics_form_is_the_conversion_of_its_text() -> None:
+    """The OpenMetrics form a render shares its samples with equals the text converted whole."""
+    from exporter.scratch.resources import Allocation, ResourceSpec
+
+    book = AllocationBook(clock=lambda: 0.0)
+    for n in range(150):
+        book.apply(f"k{n:03}", "/r", ResourceSpec((Allocation("cuda.shares", f"GPU-{n % 3}", Decimal("0.5")),
+                                                   Allocation("cuda.mem", f"GPU-{n % 3}", Decimal(2 ** 30))), (), None))
+    head = render_families(allocation_families(book.view()))
+    gone = iter(["k007", "k070", "k140", "k149"])
+    for gzipped in (False, True):
+        kt = KernelText(gzipped=gzipped)
+        unpack = gzip.decompress if gzipped else bytes
+        for _ in range(2):  # the first render, then one after a kernel went
+            text = unpack(kt.render(book.view(), head))
+            assert text == head + render_families(kernel_families(book.view()))
+            assert unpack(kt.openmetrics()) == openmetrics_text(text)
+            book.remove(next(gone))
 
 
 def _no_durations(text: bytes) -> bytes:

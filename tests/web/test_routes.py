@@ -1,15 +1,19 @@
-"""The JSON documents the routes serve: ``/api/v1/state`` text cached per change and per kernel, and
+"""The JSON documents the routes serve: ``/api/v1/state`` encoded per change and shared while held, and
 ``/api/v1/placeable`` from the published shape figures."""
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 import json
+import weakref
 from decimal import Decimal
 from typing import NoReturn
 
 from exporter.analysis.model import NodeState
 from exporter.analysis.placement import DeviceFree
 from exporter.analysis.shapes import Shape
+from exporter.metrics import documents
 from exporter.metrics.documents import StateText, json_default, state_document
 from exporter.scratch.allocation import AllocationBook
 from exporter.scratch.resources import Allocation, ResourceSpec
@@ -44,6 +48,64 @@ def test_state_text_equals_the_document_and_is_reused_until_something_moves() ->
     other = NodeState({"cuda.shares": (DeviceFree("GPU-a", Decimal("13.5"), Decimal("1.25")),)})
     assert text.render(book.view(), roots, other) == expected(book.view(), roots, other)
 
+
+
+class _Kernels(dict):
+    """A view's kernel table that a weak reference can follow."""
+
+
+def test_state_text_keeps_neither_the_view_nor_the_document(monkeypatch) -> None:
+    encoded = []
+    entry = documents._entry
+    monkeypatch.setattr(documents, "_entry", lambda kernel_id, kernel: encoded.append(kernel_id) or entry(kernel_id, kernel))
+    book = AllocationBook(clock=lambda: 1.0)
+    text = StateText()
+    roots = ["/r"]
+    book.apply("k1", "/r", spec(("cuda.shares", "GPU-a", "0.5")))
+    book.apply("k2", "/r", spec(("cuda.shares", "GPU-b", "1.0")))
+    view = dataclasses.replace(book.view(), kernels=_Kernels(book.view().kernels))
+    want = expected(view, roots, None)
+    document = text.render(view, roots, None)
+    assert document == want and bytes(document) == want and encoded == ["k1", "k2"]
+    view_gone, kernels_gone, document_gone = weakref.ref(view), weakref.ref(view.kernels), weakref.ref(document)
+    assert text.render(view, roots, None) is document  # shared while a response still holds it
+    del view
+    gc.collect()
+    assert view_gone() is None and kernels_gone() is None
+    del document
+    gc.collect()
+    assert document_gone() is None  # dropped by every response: not kept
+    again = text.render(book.view(), roots, None)  # the same version: from the compressed entries
+    assert again == want and encoded == ["k1", "k2"]
+    ended = weakref.ref(book.view().kernels["k1"])
+    book.remove("k1")
+    book.view()  # the book's own last view no longer holds it
+    del again
+    gc.collect()
+    assert ended() is None  # an ended kernel is not kept alive by the entries kept for the next request
+    assert text.render(book.view(), roots, None) == expected(book.view(), roots, None)
+    assert encoded == ["k1", "k2", "k2"]  # the chunk k1 left, encoded again
+
+
+def test_state_text_renders_each_view_whole_whatever_came_before() -> None:
+    book = AllocationBook(clock=lambda: 1.0)
+    text = StateText()
+    roots = ["/r", "/s"]
+    book.apply("k1", "/r", spec(("cuda.shares", "GPU-a", "0.5")))
+    book.apply("k2", "/s", spec(("cuda.shares", "GPU-b", "1.0")))
+    first_view = book.view()
+    book.remove("k1")
+    book.apply("k2", "/s", spec(("cuda.shares", "GPU-b", "0.75")))
+    book.apply("k0", "/r", ValueError("bad file"))
+    second_view = book.view()
+    first = text.render(first_view, roots, None)
+    second = text.render(second_view, roots, None)
+    assert first == expected(first_view, roots, None) and second == expected(second_view, roots, None)
+    assert first != second
+    assert text.render(first_view, roots, None) == first  # back to an older version: encoded anew
+    book.remove_many(["k0", "k2"])
+    empty = text.render(book.view(), roots, None)
+    assert empty == expected(book.view(), roots, None) and json.loads(bytes(empty))["kernels"] == []
 
 # -- /api/v1/placeable -------------------------------------------------------------------------------
 
