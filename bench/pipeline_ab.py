@@ -9,7 +9,12 @@ Each stage alternates the two checkouts' exporters (fresh processes on one 10,00
 a. cold start: spawn -> ``READY=1``, ``--starts`` times each, alternated; the medians.
 b. change -> headroom: a kernel's ``resource.txt`` rewritten, then ``/api/v1/simulate`` asked until
    the node state it places on (the one headroom figures and ``request_fits`` are computed from)
-   holds the new amount on that GPU; and change -> ``/api/v1/alloc-map``; p50/p99 of ``--trials``.
+   holds the new amount on that GPU; and change -> ``/api/v1/alloc-map``; p50/p99 of ``--trials``,
+   once the exporter watches every kernel. Readiness comes after the first scan and before the
+   per-kernel watches are armed (the arming pass and the stat-only rescan after it run behind
+   readiness); until they are, a change is seen by that rescan. How long after ``READY=1`` every
+   kernel is watched (``gpu_alloc_watcher_watches``), and the first change made at readiness, are
+   reported apart (``armed_after_ready_s``, ``change_at_ready_ms``).
 c. the first ``/metrics`` scrape after each change (gzip, as Prometheus asks): p50/p99, beside
    node_exporter's median scrape in the same run.
 d. idle CPU: ``--idle`` seconds, a scrape every 15 s, percent of one core.
@@ -59,16 +64,35 @@ def allocated_on(client: Timed, device: str) -> Decimal:
     return next(Decimal(d["allocated"]) for d in json.loads(body)["devices"] if d["device_id"] == device)
 
 
+def armed_after_ready(ex: ExporterProcess, kernels: int, timeout: float = 60.0) -> float:
+    """Seconds from ``READY=1`` until the exporter holds a watch on every kernel (and its root)."""
+    client, ready = Timed(ex.port, headers={}), ex.started + ex.ready_seconds  # perf_counter time
+    try:
+        while True:
+            watches = next((float(line.split()[-1]) for line in client.get()[2].splitlines()
+                            if line.startswith(b"gpu_alloc_watcher_watches ")), 0.0)
+            if watches >= kernels + 1:
+                return time.perf_counter() - ready
+            if time.perf_counter() - ready > timeout:
+                raise RuntimeError(f"{watches:g} watches for {kernels} kernels {timeout:g} s after ready")
+            time.sleep(0.01)
+    finally:
+        client.close()
+
+
 def changes(ex: ExporterProcess, root: Path, truth: dict, trials: int, seed: int) -> dict[str, list[float]]:
     """Per change: seconds until the node state behind headroom holds it, until the alloc map
-    does, and the first scrape after both."""
+    does, and the first scrape after both. The first change is made at readiness (``at_ready``),
+    the others once every kernel is watched."""
     rng = random.Random(seed)
     ids = sorted(truth)
     plain, scrape = Timed(ex.port, headers={}), Timed(ex.port)
-    out: dict[str, list[float]] = {"headroom": [], "alloc_map": [], "first_scrape": []}
+    out: dict[str, list[float]] = {"headroom": [], "alloc_map": [], "first_scrape": [], "at_ready": [], "armed": []}
     try:
-        scrape.get()
-        for i in range(trials):
+        for i in range(trials + 1):
+            if i == 1:
+                out["armed"].append(armed_after_ready(ex, len(truth)))
+                scrape.get()  # the first full render, before the steady-state trials
             time.sleep(rng.uniform(0.005, 0.02))  # decorrelate from any periodic work
             kid = ids[rng.randrange(len(ids))]
             device = GPUS[i % len(GPUS)]
@@ -87,6 +111,9 @@ def changes(ex: ExporterProcess, root: Path, truth: dict, trials: int, seed: int
                     seen_state = time.perf_counter() - t0
                 if seen_map is None and Decimal(json.loads(plain.get("/api/v1/alloc-map")[2]).get(device, "0")) == want:
                     seen_map = time.perf_counter() - t0
+            if i == 0:
+                out["at_ready"].append(max(seen_state, seen_map))
+                continue
             out["headroom"].append(seen_state)
             out["alloc_map"].append(seen_map)
             out["first_scrape"].append(scrape.get()[0])
@@ -138,7 +165,8 @@ def main() -> None:
             ne_times = [ne_client.get()[0] for _ in range(50)]
             ne_client.close()
             result["node_exporter_median_ms"] = ms(ne_times)
-            per: dict[str, dict[str, list[float]]] = {n: {"headroom": [], "alloc_map": [], "first_scrape": []} for n in repos}
+            per: dict[str, dict[str, list[float]]] = {
+                n: {"headroom": [], "alloc_map": [], "first_scrape": [], "at_ready": [], "armed": []} for n in repos}
             idle: dict[str, list[float]] = {n: [] for n in repos}
             for round_ in range(2):  # two alternated rounds of each
                 for name, repo in repos.items():
@@ -157,6 +185,8 @@ def main() -> None:
                     "change_to_alloc_map_p99_ms": ms(per[name]["alloc_map"], 99),
                     "first_scrape_after_change_p50_ms": ms(per[name]["first_scrape"]),
                     "first_scrape_after_change_p99_ms": ms(per[name]["first_scrape"], 99),
+                    "armed_after_ready_s": round(statistics.median(per[name]["armed"]), 3),
+                    "change_at_ready_ms": ms(per[name]["at_ready"]),
                     "idle_cpu_percent_of_core": round(statistics.mean(idle[name]), 3),
                 }
             result["ratios_this_over_other"] = {

@@ -710,6 +710,13 @@ class LivingNode:
             hot = gpu.index in self._throttled
             power = min(gpu.power_limit_mw, 52_000 + 3_300 * busy)
             reasons = 0x1 if not busy else (0x4 if power >= gpu.power_limit_mw * 0.97 else 0x0)
+            extra: dict[str, object] = {}
+            duty = {p.pid for p in mine if p.kind == "duty"}
+            if duty or "process_sm" in gpu.patterns:
+                patterns = {k: v for k, v in gpu.patterns.items() if k != "process_sm"}
+                if duty:
+                    patterns["process_sm"] = self._duty_bursts(duty, {pid: v for pid, v in sm.items() if pid not in duty})
+                extra["patterns"] = patterns
             self.machine.update(
                 gpu.index,
                 util_gpu=0 if gpu.mig_current else busy,
@@ -720,7 +727,21 @@ class LivingNode:
                 temperature=88 if hot else 31 + busy * 40 // 100,
                 sm_clock=1095 if hot else (1410 if busy else 210),
                 clocks_event=(reasons & ~0x1) | 0x20 if hot else reasons,
+                **extra,
             )
+
+    def _duty_bursts(self, duty: set[int], others: dict[int, int]) -> Callable[[float], dict[int, int]]:
+        """The SM % of a GPU's processes as a pattern of the driver's clock (seconds), which the
+        simulated driver evaluates at the start of each sampling period: the duty-cycled ones
+        busy exactly DUTY_BUSY_S of every DUTY_PERIOD_S of demo time (on the node's clock, the
+        driver's in the demo), the others as this tick set them. Set at the 1 s ticks instead, a
+        burst would last three tick intervals (each late by the thread's wake-up), 2 to 3.3 s."""
+
+        def process_sm(t: float) -> dict[int, int]:
+            on = 100 if ((t - self._t0) * self.time_scale) % DUTY_PERIOD_S < DUTY_BUSY_S else 0
+            return {**others, **dict.fromkeys(duty, on)}
+
+        return process_sm
 
     # -- planted events -------------------------------------------------------------------------
 

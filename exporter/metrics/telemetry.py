@@ -3,7 +3,9 @@
 Every series carries ``device_id`` spelled as Backend.AI spells it on this node
 (:class:`exporter.telemetry.devices.DeviceResolver`). A value the source could not read (None) is omitted,
 never exported as NaN or 0. A stale device (its driver calls are stuck) keeps its identity,
-``up`` 0, ``stale`` 1 and its last-update time; its values are omitted. Sample::
+``up`` 0, ``stale`` 1 and its last-update time; its values are omitted but its energy counter,
+which stays at the last value read (so is a lost GPU's: the accounting split those joules among
+the kernels, and ``increase()`` of the counter must see them too). Sample::
 
     gpu_alloc_device_info{device_id="GPU-8fbf…",uuid="GPU-8fbf…",index="0",model="NVIDIA A100-SXM4-40GB",…} 1
     gpu_alloc_device_power_watts{device_id="GPU-8fbf…"} 362
@@ -32,6 +34,9 @@ __all__ = ["ALERTING_THROTTLE_REASONS", "THROTTLE_SERIES", "telemetry_families",
 _Getter = Callable[[DeviceReading], Any]
 
 # Scalar device series: (type, name, help, value).
+# Also written for a stale device: a counter stays at its last value while its GPU does not answer.
+_ENERGY = ("counter", "gpu_alloc_device_energy_joules",
+           "Energy consumed since the driver was loaded (held at the last value read while the GPU does not answer).")
 _DEVICE_SERIES: tuple[tuple[str, str, str, _Getter], ...] = (
     ("gauge", "gpu_alloc_device_memory_total_bytes",
      "Total framebuffer memory (nvidia-smi memory.total).",
@@ -61,9 +66,7 @@ _DEVICE_SERIES: tuple[tuple[str, str, str, _Getter], ...] = (
     ("gauge", "gpu_alloc_device_power_limit_watts",
      "Power limit in force (nvidia-smi enforced.power.limit).",
      lambda d: d.power_limit_watts),
-    ("counter", "gpu_alloc_device_energy_joules",
-     "Energy consumed since the driver was loaded.",
-     lambda d: d.energy_joules),
+    (*_ENERGY, lambda d: d.energy_joules),
     ("gauge", "gpu_alloc_device_fan_speed_ratio",
      "Fan speed as a fraction of its maximum (nvidia-smi fan.speed); can exceed 1.",
      lambda d: d.fan_speed_ratio),
@@ -186,6 +189,7 @@ def telemetry_families(snapshot: TelemetrySnapshot, resolver: DeviceResolver, th
         out.add("gauge", "gpu_alloc_device_last_update_timestamp_seconds", "When the GPU was last read.",
                 label, device.last_update_timestamp)
         if device.stale:
+            out.add(*_ENERGY, label, device.energy_joules)
             continue
         for kind, name, help_text, get in _DEVICE_SERIES:
             out.add(kind, name, help_text, label, get(device))

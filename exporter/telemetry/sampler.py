@@ -287,7 +287,7 @@ class TelemetrySampler:
                 reading = self._stale(self._last[key]) if key in self._last else None
             else:
                 if reading is not None:
-                    self._last[key] = reading
+                    reading = self._last[key] = self._keep_energy(self._last.get(key), reading)
             if reading is not None:
                 devices.append(reading)
         for gone in set(self._last) - set(info.device_keys):
@@ -302,6 +302,16 @@ class TelemetrySampler:
             cuda_version=info.cuda_version,
             device_count=info.device_count,
         )
+
+    @staticmethod
+    def _keep_energy(last: DeviceReading | None, reading: DeviceReading) -> DeviceReading:
+        """A GPU that stops answering (lost, reset required) keeps its energy counter at the last
+        value read: a counter must not vanish with its device, or the joules read last before
+        the loss, which the accounting already split among the kernels, never reach a scrape."""
+        if (reading.up or reading.energy_joules is not None or last is None or last.energy_joules is None
+                or last.uuid != reading.uuid or last.nvml_generation != reading.nvml_generation):
+            return reading
+        return dataclasses.replace(reading, energy_joules=last.energy_joules)
 
     @staticmethod
     def _stale(reading: DeviceReading) -> DeviceReading:

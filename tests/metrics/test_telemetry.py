@@ -174,6 +174,11 @@ def test_lost_and_stale_gpus_keep_identity_and_drop_values(dgx: FakeNvml) -> Non
         assert "gpu_alloc_device_info" in series_of(text, reading.uuid)
     last_update = registry.get_sample_value("gpu_alloc_device_last_update_timestamp_seconds", {"device_id": stale.uuid})
     assert last_update == stale.last_update_timestamp
+    # A counter stays at its last value while the GPU does not answer (the sampler keeps a lost
+    # GPU's); nothing else of its readings is served.
+    energy = registry.get_sample_value("gpu_alloc_device_energy_joules_total", {"device_id": stale.uuid})
+    assert stale.energy_joules is not None and energy == stale.energy_joules
+    assert registry.get_sample_value("gpu_alloc_device_energy_joules_total", {"device_id": lost.uuid}) is None
 
 
 def test_an_unreadable_mig_layout_is_0_with_empty_placement_labels(dgx: FakeNvml) -> None:

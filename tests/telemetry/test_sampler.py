@@ -113,6 +113,9 @@ def test_a_gpu_lost_mid_run_is_down_in_the_next_cycle_and_the_others_keep_report
     assert not any(d.stale for d in snap.devices)
     assert snap.devices[3].uuid == dgx.gpus[3].uuid and snap.devices[3].power_usage_watts is None
     assert all(d.power_usage_watts is not None for i, d in enumerate(snap.devices) if i != 3)
+    # Its energy counter stays at the last value read: what the accounting counted before the
+    # loss must stay visible to increase(); the other readings are gone.
+    assert snap.devices[3].energy_joules is not None and snap.devices[3].energy_joules > 0
 
 
 def test_driver_loss_reports_failure_and_reinitialises_with_backoff(dgx: FakeNvml) -> None:
