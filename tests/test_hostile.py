@@ -146,8 +146,8 @@ def install_canaries(root: Path) -> None:
 
 def get(exporter: Exporter, path: str) -> bytes:
     response = exporter.handle(Request(method="GET", path=path, query={}, headers={}))
-    assert response.status == 200, (path, response.status, response.body[:300])
-    return response.body
+    assert response.status == 200, (path, response.status, bytes(response.body[:300]))
+    return bytes(response.body)  # a shared document is a read-only memoryview
 
 
 def labels_in(text: str) -> dict[str, set[str]]:

@@ -22,6 +22,7 @@ from exporter.analysis.model import Accounting
 from exporter.metrics.collectors import Inputs, Part, register
 from exporter.metrics.families import counter, escape_label, float_format, float_texts, gauge
 from exporter.metrics.status import Health
+from exporter.metrics.text import openmetrics_text
 
 if TYPE_CHECKING:
     from prometheus_client.core import Metric
@@ -164,46 +165,70 @@ class AccountingText:
         self._ordered_labels: list[str] = []  # the label text of each pair of ``_order``
         self._kernels: dict[str, str] = {}  # kernel_id -> '{kernel_id="…"}'
         self._labels: dict[tuple[str, ...], str] = {}  # a GPU's or an owner's label text (a few dozen)
-        self._heads: list[bytes] | None = None
+        self._heads: list[str] | None = None  # each family's HELP and TYPE lines, in order
+        self._om_heads: list[str] = []  # the same in OpenMetrics (with UNIT where the name says one)
+        self._openmetrics = b""  # the last render's OpenMetrics form
 
     def render(self, result: Accounting | None) -> bytes:
+        """The families' text; :meth:`openmetrics` then gives the same render in OpenMetrics 1.0."""
         if result is None:
+            self._openmetrics = b""
             return b""
         if self._heads is None:
             from exporter.metrics.registry import render_families  # prometheus_client: loaded to render only
 
-            self._heads = [render_families([family]) for family in accounting_families(Accounting())]
+            heads = [render_families([family]) for family in accounting_families(Accounting())]
+            self._heads = [h.decode() for h in heads]
+            # Samples read the same in both formats; only each family's HELP, TYPE and UNIT lines differ.
+            self._om_heads = [openmetrics_text(h).decode() for h in heads]
         fmt = float_format()
-        heads = [h.decode() for h in self._heads]
+        heads = self._heads
         names = [line.split(" ", 3)[2] for line in heads]
+        out: list[str] = []
+        at: list[int] = []  # where each family's head is in ``out``, family by family
+
+        def head(i: int) -> None:
+            at.append(len(out))
+            out.append(heads[i])
+
         order, labels = self._pair_labels(result)
-        out = [heads[0], *_pair_lines(names[0], result.shares, order, labels)]
+        head(0)
+        out += _pair_lines(names[0], result.shares, order, labels)
         measured = sorted((k, use) for k, use in result.kernels.items()
                           if use.utilization_ratio is not None or use.memory_ratio is not None)
-        out.append(heads[1])
+        head(1)
         out += [f"{names[1]}{self._kernel_labels(k)} {fmt(use.utilization_ratio)}\n"
                 for k, use in measured if use.utilization_ratio is not None]
-        out.append(heads[2])
+        head(2)
         out += [f"{names[2]}{self._kernel_labels(k)} {fmt(use.memory_ratio)}\n"
                 for k, use in measured if use.memory_ratio is not None]
         per_pair = [result.allocated_seconds] + [values for _, _, values in _pair_counters(result)]
         i = 3
         for counters in per_pair:
-            out += [heads[i], *_pair_lines(names[i], counters, order, labels)]
+            head(i)
+            out += _pair_lines(names[i], counters, order, labels)
             i += 1
         for _, _, values in _device_counters(result):
-            out.append(heads[i])
+            head(i)
             out += [f"{names[i]}{self._label(('device_id',), (gpu,))} {fmt(v)}\n" for gpu, v in sorted(values.items())]
             i += 1
-        out.append(heads[i])
+        head(i)
         out += [f"{names[i]}{self._label(('device_id',), (gpu,))} {fmt(1.0 if flag else 0.0)}\n"
                 for gpu, flag in sorted(result.measured.items())]
         i += 1
         for _, _, values in _owner_counters(result):
-            out.append(heads[i])
+            head(i)
             out += [f"{names[i]}{self._label(_OWNER, owner)} {fmt(v)}\n" for owner, v in sorted(values.items())]
             i += 1
-        return "".join(out).encode()
+        text = "".join(out).encode()
+        for family, position in enumerate(at):
+            out[position] = self._om_heads[family]
+        self._openmetrics = "".join(out).encode()
+        return text
+
+    def openmetrics(self) -> bytes:
+        """The last render in OpenMetrics 1.0 (less ``# EOF``), without ``_created``."""
+        return self._openmetrics
 
     def _label(self, names: tuple[str, ...] | list[str], values: tuple[str, ...]) -> str:
         key = (*names, *values)
@@ -257,4 +282,4 @@ def _accounting(inputs: Inputs) -> list[Part]:
     text = AccountingText()
     return [Part("accounting", lambda: accounting_families(inputs.model().accounting), lambda: inputs.model().usage_version,
                  text=lambda: text.render(inputs.model().accounting),
-                 health=lambda: accounting_health(inputs.model().accounting))]
+                 health=lambda: accounting_health(inputs.model().accounting), openmetrics=text.openmetrics)]

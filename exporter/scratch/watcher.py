@@ -181,6 +181,7 @@ class ScratchWatcher:
         self._dispatch = _Dispatch(self)
         self._worker: threading.Thread | None = None
         self._stop = threading.Event()
+        self._armed = threading.Event()  # the start's arming passes are done
         self._wake_r, self._wake_w = -1, -1
         self._rescan_requested = False
         self._overflows = self._errors = self._events = self._rescans = 0
@@ -231,6 +232,11 @@ class ScratchWatcher:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def wait_armed(self, timeout: float | None = None) -> bool:
+        """Wait until the passes that follow the start are done: every kernel the start found is
+        watched, and re-read if it changed before its watch existed. Returns whether they are."""
+        return self._armed.wait(timeout)
+
     def request_rescan(self) -> None:
         """Ask the worker for a full rescan soon (after an overflow, or from an operator)."""
         self._rescan_requested = True
@@ -273,6 +279,7 @@ class ScratchWatcher:
                 self._full_scan(force=False, counted=False)  # ...re-reads what changed before its watch existed
             except Exception:
                 self._count_error("arming the kernel watches failed", exc_info=True)
+        self._armed.set()
         next_scan = time.monotonic() + self._interval()
         while not self._stop.is_set():
             timeout = max(0.0, next_scan - time.monotonic())

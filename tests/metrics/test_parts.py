@@ -124,6 +124,7 @@ def test_the_accounting_text_is_what_prometheus_client_writes() -> None:
     from exporter.analysis.accounting import Accounting, KernelUse
     from exporter.metrics.accounting import AccountingText, accounting_families
     from exporter.metrics.registry import render_families
+    from exporter.metrics.text import openmetrics_text
 
     odd = 'k-"quoted"\\back\nline'
     result = Accounting(
@@ -133,7 +134,9 @@ def test_the_accounting_text_is_what_prometheus_client_writes() -> None:
         busy_seconds={("k1", "GPU-a"): 1e-9},
     )
     text = AccountingText()
-    assert text.render(result) == render_families(accounting_families(result))
-    assert text.render(Accounting()) == render_families(accounting_families(Accounting()))  # pairs dropped
-    assert text.render(result) == render_families(accounting_families(result))
-    assert text.render(None) == b""
+    for case in (result, Accounting(), result):  # pairs dropped, then back
+        expected = render_families(accounting_families(case))
+        assert text.render(case) == expected
+        # The OpenMetrics form shares the samples and is the conversion of the text.
+        assert text.openmetrics() == openmetrics_text(expected)
+    assert text.render(None) == b"" and text.openmetrics() == b""
