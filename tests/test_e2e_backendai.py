@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 from attribution_node import CID, K1, K2, K3, K5, PROC
 from backendai_presets import regex_union, render_preset
-from e2e.harness import Process, Prometheus, StaticExpositions, free_port, wait_until
+from e2e.harness import Process, Prometheus, StaticExpositions, free_port, running, wait_until
 from helpers import ROOT
 
 from exporter.demo import demo_devices, write_kernel, write_recovery
@@ -114,8 +114,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     _tree(scratch)
     _devices(devices)
     port = free_port()
-    started: list = []
-    try:
+    with running() as started:
         static = StaticExpositions({"metrics": _exposition_of_an_agent()})
         started.append(static)
         exporter = Serve(port, work, scratch, devices)
@@ -131,9 +130,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         stack = Stack(prom, work, scratch, devices, port, exporter)
         yield stack
         started.append(stack.exporter)  # a restarted exporter replaces the first
-    finally:
-        for thing in reversed(started):
-            thing.close() if hasattr(thing, "close") else thing.stop()
 
 
 def _by(result: list[dict], label: str) -> dict[str, float]:

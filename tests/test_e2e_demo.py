@@ -28,7 +28,7 @@ from pathlib import Path
 import monitoring_checks as mc
 import pytest
 import yaml
-from e2e.harness import Alertmanager, Exporter, Prometheus, PromQLError, Webhook, free_port
+from e2e.harness import Alertmanager, Exporter, Prometheus, PromQLError, Webhook, free_port, running
 
 pytestmark = [
     pytest.mark.slow,
@@ -71,8 +71,7 @@ class Demo:
 def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Demo]:
     work = tmp_path_factory.mktemp("e2e-demo")
     address = f"127.0.0.1:{free_port()}"
-    started: list = []
-    try:
+    with running() as started:
         webhook = Webhook()
         started.append(webhook)
         am = Alertmanager(work, f"http://127.0.0.1:{webhook.port}/hook")
@@ -85,9 +84,6 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Demo]:
                              "--demo.dir", str(work / "node")], work, command=("demo",), listen=address)
         started.append(exporter)
         yield Demo(prom, webhook, exporter, address, time.monotonic())
-    finally:
-        for thing in reversed(started):
-            thing.close() if hasattr(thing, "close") else thing.stop()
 
 
 _UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800, "y": 31536000}

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 from attribution_node import CID, K1, K2, K3, K5, PROC
 from backendai_presets import regex_union, render_preset
-from e2e.harness import Process, Prometheus, free_port, wait_until
+from e2e.harness import Process, Prometheus, free_port, running, wait_until
 from helpers import ROOT
 
 from exporter.demo import demo_devices, write_kernel, write_recovery
@@ -103,8 +103,7 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     scratch, devices = work / "scratch", work / "devices.toml"
     _tree(scratch)
     _devices(devices)
-    started: list = []
-    try:
+    with running() as started:
         exporter = Serve(free_port(), work, scratch, devices)
         started.append(exporter)
         prom = Prometheus(work, [], [{"job_name": "gpu", "static_configs": [{"targets": [f"127.0.0.1:{exporter.port}"],
@@ -113,9 +112,6 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
         started.append(prom)
         wait_until(lambda: len(prom.query("gpu_alloc_kernel_busy_gpu_seconds_total")) == 3, 30, "the busy counters")
         yield Node(prom, exporter, scratch, time.monotonic())
-    finally:
-        for thing in reversed(started):
-            thing.close() if hasattr(thing, "close") else thing.stop()
 
 
 def samples(metrics: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:

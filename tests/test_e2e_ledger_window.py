@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 import pytest
 import yaml
-from e2e.harness import Exporter, Prometheus, free_port, wait_until
+from e2e.harness import Exporter, Prometheus, free_port, running, wait_until
 from helpers import ROOT
 
 from exporter.demo.node import DUTY_BUSY_S, DUTY_PERIOD_S
@@ -139,8 +139,7 @@ def _rel(observed: float, expected: float) -> float:
 def window(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Window]:
     work = tmp_path_factory.mktemp("e2e-ledger-window")
     address = f"127.0.0.1:{free_port()}"
-    started: list = []
-    try:
+    with running() as started:
         config = {"global": {k: SHIPPED[k] for k in ("scrape_interval", "scrape_timeout", "evaluation_interval")},
                   "scrape_configs": [{"job_name": JOB, "static_configs": [{"targets": [address]}]}]}
         # Prometheus first, so that it scrapes the demo from its first interval on.
@@ -174,9 +173,6 @@ def window(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Window]:
         s2 = wait_until(scrape_near_end, SCRAPE_S, f"the scrape {WINDOW_S:g} s after the window's start", interval=0.2)
         assert exporter.alive(), f"the demo exited:\n{exporter.log()[-3000:]}"
         yield Window(prom, exporter, gpus, duty.group(1), demo_zero, s1, s2)
-    finally:
-        for thing in reversed(started):
-            thing.stop()
 
 
 def test_the_window_lies_between_two_scrapes_and_nothing_is_extrapolated(window: Window) -> None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from e2e.harness import Exporter, Prometheus, VictoriaMetrics, wait_until
+from e2e.harness import Exporter, Prometheus, VictoriaMetrics, running, wait_until
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 from prometheus_client.parser import text_string_to_metric_families as parse_text
 
@@ -54,8 +54,7 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
     cgroups.mkdir()
     args = ["--scratch.root", str(scratch), "--telemetry.source", "mock", "--telemetry.mock-file", str(MOCK_FILE),
             "--path.cgroupfs", str(cgroups), "--agent.id", "om-agent"]
-    started: list = []
-    try:
+    with running() as started:
         for name in ("plain", "created"):
             (work / name).mkdir()  # each exporter's log
         plain = Exporter(args, work / "plain")
@@ -74,9 +73,6 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
         wait_until(lambda: len(prom.query('up{job="om"} == 1')) == 2 and len(prom.query('count by (instance) (gpu_alloc_build_info)')) == 2,
                    30, "Prometheus to scrape both exporters")
         yield Engines(plain, created, prom, vm)
-    finally:
-        for thing in reversed(started):
-            thing.stop()
 
 
 def get(exporter: Exporter, headers: dict[str, str]) -> tuple[str, str, bytes]:

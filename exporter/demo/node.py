@@ -738,8 +738,7 @@ class LivingNode:
         burst would last three tick intervals (each late by the thread's wake-up), 2 to 3.3 s."""
 
         def process_sm(t: float) -> dict[int, int]:
-            on = 100 if ((t - self._t0) * self.time_scale) % DUTY_PERIOD_S < DUTY_BUSY_S else 0
-            return {**others, **dict.fromkeys(duty, on)}
+            return {**others, **dict.fromkeys(duty, _duty_percent((t - self._t0) * self.time_scale))}
 
         return process_sm
 
@@ -847,11 +846,16 @@ class LivingNode:
         self._launch("notebook", {SHARES: Decimal(1)}, planted="stale", half_written=True)
 
 
+def _duty_percent(t: float) -> int:
+    """SM utilisation of a duty-cycled process at demo time ``t``: busy DUTY_BUSY_S of every DUTY_PERIOD_S."""
+    return 100 if t % DUTY_PERIOD_S < DUTY_BUSY_S else 0
+
+
 def _sm_percent(p: GpuProcess, t: float) -> int:
     """SM utilisation of one process at demo time ``t``, in percent."""
     phase = (p.pid % 97) / 97
     if p.kind == "duty":  # every process of the kernel in the same bursts
-        return 100 if t % DUTY_PERIOD_S < DUTY_BUSY_S else 0
+        return _duty_percent(t)
     if p.kind == "training":
         return int(86 + 10 * math.sin(2 * math.pi * (t / 180 + phase)))
     if p.kind == "batch":

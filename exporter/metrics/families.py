@@ -16,6 +16,9 @@ if TYPE_CHECKING:
     from prometheus_client.core import Metric
 
 _INF = float("inf")
+# Below this, floatToGoString writes a finite float as repr does (Go switches to exponents sooner
+# than Python only from 10**6 on).
+_REPR_BELOW = 1e6
 
 __all__ = ["counter", "escape_label", "float_format", "float_texts", "gauge"]
 
@@ -48,7 +51,7 @@ def float_format() -> Callable[[float], str]:
     from prometheus_client.utils import floatToGoString
 
     def go_float(value: float) -> str:
-        if value.__class__ is float and -_INF < value < 1e6:
+        if value.__class__ is float and -_INF < value < _REPR_BELOW:
             return repr(value)
         return floatToGoString(value)
 
@@ -59,7 +62,7 @@ def float_texts(values: list[float]) -> Iterable[str]:
     """:func:`float_format` of each value, for renderers of thousands of samples: where every
     value is a float in the range that writes as ``repr`` (checked in C: types, sum, max), the
     loop runs in ``map``."""
-    if values and set(map(type, values)) == {float} and math.isfinite(sum(values)) and max(values) < 1e6:
+    if values and set(map(type, values)) == {float} and math.isfinite(sum(values)) and max(values) < _REPR_BELOW:
         return map(repr, values)
     return map(float_format(), values)
 

@@ -7,6 +7,7 @@ one thread each and are joined on exit, so the suite's thread-leak check holds.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -19,7 +20,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,18 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running() -> Iterator[list]:
+    """What an end-to-end fixture starts, appended in order: stopped in reverse order when the
+    fixture ends, whatever failed in between (a server is closed, a process stopped)."""
+    things: list = []
+    try:
+        yield things
+    finally:
+        for thing in reversed(things):
+            thing.close() if hasattr(thing, "close") else thing.stop()
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
