@@ -52,6 +52,7 @@ carved from, so a GPU's health reaches every kernel on it, whatever it holds):
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Collection, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -77,6 +78,13 @@ DEFAULT_ENERGY_SPLIT = "max"
 _Pair = tuple[str, str]  # (kernel_id, GPU device_id)
 _Owner = tuple[str, str]  # (user_id, project_id), Backend.AI's label values
 _NO_OWNER: _Owner = (UNDEFINED, UNDEFINED)
+# A pass that sees at most this many changed kernels, and measures nothing, moves only their
+# counters (Accountant._shift); past it, one walk over every kernel costs less than the bookkeeping.
+_SHIFT_KERNELS = 256
+# A GPU whose shares add up to more than this is settled by a walk over every kernel: its rates
+# are shares ÷ their sum, which the shift does not keep (the margin makes float rounding of the
+# sum never decide between the two paths).
+_SHIFT_FULL_GPU = 1.0 - 1e-9
 
 
 @dataclass(frozen=True, slots=True)
@@ -287,6 +295,10 @@ def gpu_shares(held: Iterable[_Held]) -> dict[str, float]:
     return out
 
 
+# For Accountant._shift: each GPU's and each owner's pairs with their rates, and the kernels that
+# have counters.
+_Index = tuple[dict[str, dict[_Pair, float]], dict[_Owner, dict[_Pair, float]], set[str]]
+
 # One kernel's cached holdings: its Kernel object, what it holds, and (GPU, share) pairs.
 _HeldEntry = tuple[Kernel, tuple[_Held, ...], tuple[tuple[str, float], ...]]
 
@@ -386,6 +398,14 @@ class Accountant:
         self._mark: dict[_Pair, float] = {}
         self._use_before: frozenset[str] = frozenset()
         self._ended: dict[str, float] = {}  # kernel_id -> monotonic time it went away
+        # For a shift (see _shift): the GPUs of the last settle, those of the inventory, those
+        # overcommitted, and (built on the first shift after a settle) each GPU's and each
+        # owner's pairs with their rates.
+        self._devices: tuple[str, ...] = ()
+        self._inventory_gpus: frozenset[str] = frozenset()
+        self._over: frozenset[str] = frozenset()
+        self._index: _Index | None = None
+        self._drive_shown: Mapping[str, float] = {}  # the energy drive of the last result handed out
 
     def update(
         self,
@@ -395,11 +415,17 @@ class Accountant:
         capacity: CapacityConfig,
         attribution: AttributionResult | None,
         version: Hashable | None = None,
+        changes: Callable[[Hashable], Mapping[str, Kernel | None] | None] | None = None,
     ) -> Accounting:
         """One pass.
 
         :param version: identifies ``kernels`` (the allocation view's version); with the same
             version, inventory and no measurement as the last pass, the rates are known unchanged.
+        :param changes: an earlier ``version`` -> the kernels changed since (kernel id -> its
+            kernel now, None where it went), or None where that is not known. With it, a pass that
+            measures nothing and sees a few kernels changed moves only their counters
+            (:meth:`_shift`): O(changed kernels), where a settle walks every kernel (10,000
+            kernels: ~0.1 s of Python, holding the GIL from every scrape and every kernel change).
         """
         now = self._monotonic()
         self._read_energy(snapshot, resolver)
@@ -413,23 +439,35 @@ class Accountant:
             self._use_before = frozenset()
             prev = self._result
             return self._publish(prev.shares, prev.kernels, now, MappingProxyType(dict.fromkeys(prev.measured, False)))
+        busy_measured, again, raw, mig = self._read_busy(snapshot, resolver, attribution, now)
+        last = self._inputs
+        if (inputs is not None and last is not None and changes is not None and self._result is not None
+                and inputs[1] == last[1] and not expiring and not (busy_measured or again or raw or mig)):
+            changed = changes(last[0])
+            if changed is not None and len(changed) <= _SHIFT_KERNELS:
+                shifted = self._shift(changed, snapshot, resolver, capacity, now)
+                if shifted is not None:
+                    self._inputs, self._use_before = inputs, frozenset()
+                    return self._publish(*shifted, now, MappingProxyType(dict.fromkeys(self._devices, False)))
         self._inputs = inputs
         shares, uses, alloc_rates, present, active = self._rates(kernels, snapshot, resolver, capacity, measured, env)
-        devices = {resolver.label(d) for d in snapshot.devices} | {gpu for _, gpu in alloc_rates}
+        inventory = {resolver.label(d) for d in snapshot.devices}
+        devices = inventory | {gpu for _, gpu in alloc_rates}
         owners = {k.kernel_id: _owner(k) for k in kernels}
-        busy_measured, again, raw, mig = self._read_busy(snapshot, resolver, attribution, now)
         # Sums of floats depend on their order: summed in key order, the per-device and per-owner
         # counters are the same whatever order the kernels were read in (the scan's order is
         # the file system's).
         alloc_rates, raw = dict(sorted(alloc_rates.items())), dict(sorted(raw.items()))
         step = _Pass(now, tuple(sorted(devices)), busy_measured, again, raw, frozenset(active), mig, owners)
         self._settle(step, alloc_rates, present)
+        self._devices, self._inventory_gpus, self._index = step.devices, frozenset(inventory), None
         flags = MappingProxyType({gpu: gpu in busy_measured or gpu in again for gpu in step.devices})
         return self._publish(MappingProxyType(shares), MappingProxyType(uses), now, flags)
 
     def _publish(self, shares: Mapping, uses: Mapping, now: float, flags: Mapping[str, bool]) -> Accounting:
         since = self._since
         drive = {gpu: joules - self._joules_at_since.get(gpu, 0.0) for gpu, joules in self._joules.items()}
+        self._drive_shown = drive
         self._result = Accounting(
             shares=shares,
             kernels=uses,
@@ -592,12 +630,132 @@ class Accountant:
         for (_, gpu), share in alloc_rates.items():
             total[gpu] = total.get(gpu, 0.0) + share
         over = {gpu: t for gpu, t in total.items() if t > 1.0}
+        self._over = frozenset(gpu for gpu, t in total.items() if t > _SHIFT_FULL_GPU)
         if over:
             for key in alloc_rates:
                 if key[1] in over:
                     alloc_rates[key] /= over[key[1]]
         self._held = held_now
         return shares, uses, alloc_rates, held_now, active
+
+    def _shift(self, changed: Mapping[str, Kernel | None], snapshot: TelemetrySnapshot, resolver: DeviceResolver,
+               capacity: CapacityConfig, now: float) -> tuple[Mapping, Mapping] | None:
+        """Take the changed kernels' new rates without a settle, for a pass that measures nothing
+        (so the interval since the last pass is split by allocation, as the counters already
+        read). Only the counters whose rate changes move: each is rebased so that it reads, from
+        now on, its value now plus its new rate's growth (:func:`_rebased`: never less than it read
+        before, so no counter ever goes back by a rounding error). ``since`` stays.
+
+        Returns the shares and uses to publish, or None, with nothing changed, where a settle is
+        needed: a GPU overcommitted before or after, a GPU that comes or goes, or a kernel whose
+        owner changed (a settle charges the whole interval to the owner known now).
+        """
+        held, owners, rates0 = dict(self._held), dict(self._owners), self._alloc_rates
+        moved: dict[_Pair, float] = {}  # pair -> its rate from now on (0.0: it went)
+        pair_owner: dict[_Pair, _Owner] = {}
+        came: list[str] = []
+        memo: _AllocMemo = {}
+        for kid, kernel in changed.items():
+            entry = held.pop(kid, None)
+            owner = owners.pop(kid, _NO_OWNER)
+            for gpu, _ in entry[2] if entry is not None else ():
+                moved[(kid, gpu)] = 0.0
+                pair_owner[(kid, gpu)] = owner
+            if kernel is None:
+                continue
+            if kid in self._owners and _owner(kernel) != owner:
+                return None
+            owner = owners[kid] = _owner(kernel)
+            if entry is None or entry[0] is not kernel:
+                parts = _held(kernel, snapshot, resolver, capacity, memo)
+                entry = (kernel, parts, tuple(gpu_shares(parts).items()))
+            held[kid] = entry
+            came.append(kid)
+            for gpu, share in entry[2]:
+                moved[(kid, gpu)] = share
+                pair_owner[(kid, gpu)] = owner
+        shown = self._result.shares if self._result is not None else {}
+        moved = {key: rate for key, rate in moved.items() if rates0.get(key) != (rate or None) or shown.get(key) != (rate or None)}
+        by_gpu, by_owner, counted = self._index or self._build_index()
+        gpus = {key[1] for key in moved}
+        if not gpus.isdisjoint(self._over):
+            return None
+        gpu_pairs = {gpu: dict(by_gpu.get(gpu, {})) for gpu in gpus}
+        owner_pairs = {owner: dict(by_owner.get(owner, {})) for owner in {pair_owner[key] for key in moved}}
+        for key, rate in moved.items():
+            for pairs in (gpu_pairs[key[1]], owner_pairs[pair_owner[key]]):
+                if rate:
+                    pairs[key] = rate
+                else:
+                    pairs.pop(key, None)
+        dev_rates = {gpu: math.fsum(pairs.values()) for gpu, pairs in gpu_pairs.items()}
+        if any(total > _SHIFT_FULL_GPU for total in dev_rates.values()):
+            return None
+        if any(bool(pairs) != (gpu in by_gpu and bool(by_gpu[gpu])) and gpu not in self._inventory_gpus
+               for gpu, pairs in gpu_pairs.items()):
+            return None  # a GPU known only from allocations came or went: the devices change
+        # Committed from here on: the new rates and the rebased counters.
+        d = now - self._since  # as _Counters reads it
+        drive = {gpu: joules - self._joules_at_since.get(gpu, 0.0) for gpu, joules in self._joules.items()}
+        energy_gpus = self._energy_read.keys()
+        started = [key for key, rate in moved.items() if rate]
+        self._alloc_base, self._alloc_rates = _rebased(self._alloc_base, rates0, moved, d, present=started)
+        counted.update(key[0] for key in started)
+        self._energy_base, self._energy_rates = _rebased_driven(
+            self._energy_base, self._energy_rates, {key: ((key[1], rate),) if rate else None for key, rate in moved.items()},
+            drive, present=[key for key, rate in moved.items() if rate and key[1] in energy_gpus])
+        dev_new = {gpu: (rate if gpu_pairs[gpu] else None) for gpu, rate in dev_rates.items()}
+        free_new = {gpu: max(0.0, 1.0 - rate) for gpu, rate in dev_rates.items() if gpu in self._devices}
+        self._dev_alloc_base, self._dev_alloc_rates = _rebased(self._dev_alloc_base, self._dev_alloc_rates, dev_new, d, present=gpus)
+        self._dev_free_base, self._dev_free_rates = _rebased(self._dev_free_base, self._dev_free_rates, free_new, d, present=())
+        self._dev_energy_base, self._dev_energy_rates = _rebased_driven(
+            self._dev_energy_base, self._dev_energy_rates, {g: ((g, r),) if r is not None else None for g, r in dev_new.items()},
+            drive, present=())
+        self._dev_unattr_base, self._dev_unattr_rates = _rebased_driven(
+            self._dev_unattr_base, self._dev_unattr_rates, {g: ((g, r),) for g, r in free_new.items()}, drive, present=())
+        own_new = {owner: math.fsum(pairs.values()) if pairs else None for owner, pairs in owner_pairs.items()}
+        split_new: dict[_Owner, _Split | None] = {}
+        for owner, pairs in owner_pairs.items():
+            per: dict[str, list[float]] = {}
+            for key, rate in pairs.items():
+                per.setdefault(key[1], []).append(rate)
+            split_new[owner] = tuple((gpu, math.fsum(per[gpu])) for gpu in sorted(per)) or None
+        self._own_alloc_base, self._own_alloc_rates = _rebased(self._own_alloc_base, self._own_alloc_rates, own_new, d,
+                                                               present=[o for o, r in own_new.items() if r is not None])
+        self._own_energy_base, self._own_energy_rates = _rebased_driven(
+            self._own_energy_base, self._own_energy_rates, split_new, drive,
+            present=[o for o, split in split_new.items() if split and not energy_gpus.isdisjoint(g for g, _ in split)])
+        by_gpu.update(gpu_pairs)
+        by_owner.update(owner_pairs)
+        for kid in changed:  # as a settle does: a kernel that went keeps its counters for the retention
+            if kid in held:
+                self._ended.pop(kid, None)
+            elif kid in counted:
+                self._ended.setdefault(kid, now)
+        self._held, self._owners = held, owners
+        prev = self._result
+        shares, uses = dict(prev.shares), dict(prev.kernels)
+        for key, rate in moved.items():
+            if rate:
+                shares[key] = rate
+            else:
+                shares.pop(key, None)
+        unmeasured = KernelUse(None, None)
+        for kid in changed:
+            if kid in held and held[kid][1]:
+                uses[kid] = unmeasured
+            else:
+                uses.pop(kid, None)
+        return MappingProxyType(shares), MappingProxyType(uses)
+
+    def _build_index(self) -> _Index:
+        by_gpu: dict[str, dict[_Pair, float]] = {}
+        by_owner: dict[_Owner, dict[_Pair, float]] = {}
+        for key, rate in self._alloc_rates.items():
+            by_gpu.setdefault(key[1], {})[key] = rate
+            by_owner.setdefault(self._owners.get(key[0], _NO_OWNER), {})[key] = rate
+        self._index = (by_gpu, by_owner, {key[0] for key in self._alloc_base})
+        return self._index
 
     def _weights(self, step: _Pass, dt: float, busy: Mapping[_Pair, float]) -> dict[str, dict[_Pair, float]]:
         """Per GPU, each kernel's fraction of the energy of the interval that ends now (``busy``:
@@ -639,12 +797,18 @@ class Accountant:
         busy, dev_busy, own_busy = dict(self._busy), dict(self._dev_busy), dict(self._own_busy)
         mark = self._mark
         measured = step.busy_measured
-        # The interval's owner: as known now (an identity read late still claims the time before
-        # it), else as known at its start (a kernel that ended).
+        # The owner of a measured busy interval: as known now (an identity read late still claims
+        # the busy time before it), else as known at its start (a kernel that ended). Allocated time
+        # and energy grow between passes at the rates of the owners known at the interval's start
+        # (what the counters read meanwhile), so they stay with those owners: a settle that moved
+        # them would take back what an owner's counter already showed.
         now_owners, old_owners = step.owners, self._owners
 
         def owner_of(kernel_id: str) -> _Owner:
             return now_owners.get(kernel_id) or old_owners.get(kernel_id, _NO_OWNER)
+
+        def start_owner_of(kernel_id: str) -> _Owner:
+            return old_owners.get(kernel_id) or now_owners.get(kernel_id, _NO_OWNER)
 
         charged: dict[_Pair, float] = {}
         if measured:
@@ -669,10 +833,19 @@ class Accountant:
                     e = used_j * w
                     charged += e
                     energy[key] = energy.get(key, 0.0) + e
-                    owner = owner_of(key[0])
+                    owner = start_owner_of(key[0])
                     own_energy[owner] = own_energy.get(owner, 0.0) + e
             dev_energy[gpu] = dev_energy.get(gpu, 0.0) + charged
             dev_unattr[gpu] = dev_unattr.get(gpu, 0.0) + max(0.0, used_j - charged)
+        # Per owner and device these are sums of the pairs' shares, in another order than the
+        # counters summed them while they grew: never below what they read (by a rounding error).
+        for settled, base, rates in ((own_energy, self._own_energy_base, self._own_energy_rates),
+                                     (dev_energy, self._dev_energy_base, self._dev_energy_rates),
+                                     (dev_unattr, self._dev_unattr_base, self._dev_unattr_rates)):
+            for key, value in base.items():
+                shown = _driven_value(value, rates.get(key, ()), self._drive_shown)
+                if settled[key] < shown:
+                    settled[key] = shown
         # Counters of kernels that went away stay for the retention period, then go.
         for kid in {key[0] for key in alloc} - present.keys():
             if now - self._ended.setdefault(kid, now) > self._retention:
@@ -705,17 +878,19 @@ class Accountant:
                 dev_busy.setdefault(gpu, 0.0)
         # The new rates: time, and energy split by allocation (what counters read until the next
         # pass settles them; a pass that measures use settles its interval by use).
-        dev_rates: dict[str, float] = {}
-        own_rates: dict[_Owner, float] = {}
-        own_split: dict[_Owner, dict[str, float]] = {}
+        # Sums by math.fsum, exactly rounded: the same whatever the order of their terms, so a
+        # shift that adds one GPU's or one owner's rates anew gets what a settle gets.
+        per_gpu: dict[str, list[float]] = {}
+        per_owner: dict[_Owner, dict[str, list[float]]] = {}
         energy_rates: dict[_Pair, _Split] = {}
         for key, rate in alloc_rates.items():
             gpu, owner = key[1], step.owners.get(key[0], _NO_OWNER)
-            dev_rates[gpu] = dev_rates.get(gpu, 0.0) + rate
-            own_rates[owner] = own_rates.get(owner, 0.0) + rate
-            split = own_split.setdefault(owner, {})
-            split[gpu] = split.get(gpu, 0.0) + rate
+            per_gpu.setdefault(gpu, []).append(rate)
+            per_owner.setdefault(owner, {}).setdefault(gpu, []).append(rate)
             energy_rates[key] = ((gpu, rate),)
+        dev_rates = {gpu: math.fsum(rates) for gpu, rates in per_gpu.items()}
+        own_rates = {owner: math.fsum(r for rates in split.values() for r in rates) for owner, split in per_owner.items()}
+        own_split = {owner: {gpu: math.fsum(split[gpu]) for gpu in sorted(split)} for owner, split in per_owner.items()}
         for owner, split in own_split.items():
             own_alloc.setdefault(owner, 0.0)
             if not energy_gpus.isdisjoint(split):
@@ -737,6 +912,59 @@ class Accountant:
         self._use_before = measured | step.busy_again | step.mig
         self._joules_at_since = dict(self._joules)
         self._since, self._settled = now, True
+
+
+def _rebased(base: dict, rates: dict, new: Mapping[Hashable, float | None], d: float,
+             present: Iterable[Hashable]) -> tuple[dict, dict]:
+    """Copies of a :class:`_Counters` family's ``base`` and ``rates`` in which each key of
+    ``new`` grows at its new rate (None: none, and the rate is dropped) from what it reads now
+    (``d``: now - since); keys of ``present`` that had no counter start one at 0."""
+    base, rates = dict(base), dict(rates)
+    for key in present:
+        if key not in base:
+            base[key] = 0.0 - rates.get(key, 0.0) * d
+    for key, rate in new.items():
+        old = rates.get(key, 0.0)
+        if key in base and rate != old:
+            now = base[key] + old * d
+            value = now - (rate or 0.0) * d
+            while value + (rate or 0.0) * d < now:  # rounding: never below what it read
+                value = math.nextafter(value, math.inf)
+            base[key] = value
+        if rate is None:
+            rates.pop(key, None)
+        else:
+            rates[key] = rate
+    return base, rates
+
+
+def _driven_value(base: float, split: _Split, drive: Mapping[str, float]) -> float:
+    for gpu, fraction in split:  # as _Driven._value sums, in the same order
+        base += fraction * drive.get(gpu, 0.0)
+    return base
+
+
+def _rebased_driven(base: dict, rates: dict, new: Mapping[Hashable, _Split | None], drive: Mapping[str, float],
+                    present: Iterable[Hashable]) -> tuple[dict, dict]:
+    """:func:`_rebased` for a :class:`_Driven` family: ``drive`` (GPU -> joules since ``since``)
+    in place of the time."""
+    base, rates = dict(base), dict(rates)
+    for key in present:
+        if key not in base:
+            base[key] = 0.0 - (_driven_value(0.0, rates.get(key, ()), drive))
+    for key, split in new.items():
+        old = rates.get(key, ())
+        if key in base and (split or ()) != old:
+            now = _driven_value(base[key], old, drive)
+            value = now - _driven_value(0.0, split or (), drive)
+            while _driven_value(value, split or (), drive) < now:
+                value = math.nextafter(value, math.inf)
+            base[key] = value
+        if split is None:
+            rates.pop(key, None)
+        else:
+            rates[key] = split
+    return base, rates
 
 
 def _grown(base: Mapping[Hashable, float], rates: Mapping[Hashable, float], dt: float) -> dict:

@@ -26,8 +26,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 from exporter.analysis.accounting import Accountant
@@ -47,7 +48,7 @@ from exporter.analysis.node import (
     ratio_capacities,
 )
 from exporter.analysis.shapes import DEFAULT_SHAPES, Shape, shape_figures
-from exporter.scratch.allocation import AllocationView
+from exporter.scratch.allocation import AllocationView, Kernel
 from exporter.scratch.identity import UNDEFINED
 from exporter.telemetry.devices import DeviceResolver
 from exporter.telemetry.model import TelemetrySnapshot
@@ -90,6 +91,13 @@ def device_join(view: AllocationView, snapshot: TelemetrySnapshot, scheme: str =
     """How this node's allocated device ids map to the snapshot's devices, and the inventory so spelled."""
     resolver = DeviceResolver(snapshot, gpu_ids(view), scheme)
     return resolver, inventory_from_snapshot(snapshot, resolver)
+
+
+def _changes(view: AllocationView, version: Hashable) -> dict[str, Kernel | None] | None:
+    """The kernels of ``view`` changed since ``version`` (kernel id -> the kernel, None where it
+    went), or None where the book no longer knows."""
+    ids = view.changed_since(version) if isinstance(version, int) else None
+    return None if ids is None else {kid: view.kernels.get(kid) for kid in ids}
 
 
 def _canonical_ids(resolver: DeviceResolver) -> Callable[[str], str]:
@@ -419,7 +427,7 @@ class AnalysisPipeline:
         if self._accountant is not None:
             try:
                 out["accounting"] = self._accountant.update(view.kernels.values(), snapshot, resolver, capacity, attribution,
-                                                                version=view.version)
+                                                                version=view.version, changes=partial(_changes, view))
             except Exception:
                 log.exception("GPU accounting failed")
                 out["accounting"] = None

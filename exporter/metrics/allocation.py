@@ -127,6 +127,7 @@ class KernelText:
         self._agent_id = agent_id
         self._gzipped = gzipped
         self._text = ChunkedText(len(_KERNEL_FAMILIES), gzipped=gzipped)
+        self._version: int | None = None  # of the view last rendered
         headers = [f"# HELP {name} {doc}\n# TYPE {name} gauge\n".encode() for name, doc in _KERNEL_FAMILIES]
         # The first header is written after each render's head; the others never change.
         self._headers = (headers[0], *map(self._pack, headers[1:]))
@@ -140,7 +141,9 @@ class KernelText:
         """The per-kernel families after ``head`` (the text of the families before them), as gzip
         members if ``gzipped``; :meth:`openmetrics` then gives the same render's OpenMetrics form."""
         fmt = float_format()
-        sections = self._text.render(view.kernels, lambda kid, kernel: _encode(kid, kernel, self._agent_id, fmt))
+        changed = view.changed_since(self._version) if self._version is not None else None
+        sections = self._text.render(view.kernels, lambda kid, kernel: _encode(kid, kernel, self._agent_id, fmt), changed)
+        self._version = view.version
         text = self._join(self._pack(head + self._headers[0]), self._headers[1:], sections)
         self._openmetrics = self._join(self._pack(openmetrics_text(head) + self._om_headers[0]), self._om_headers[1:], sections)
         return text

@@ -64,6 +64,7 @@ class StateText:
     def __init__(self) -> None:
         self._lock = threading.Lock()  # one render at a time: a second request for it waits and shares it
         self._entries = ChunkedText(1, gzipped=True, weak=True)
+        self._version: int | None = None  # of the view whose kernels _entries last encoded
         # (version, node state, roots) -> the document while a response holds it.
         self._last: tuple[tuple[int, NodeState | None, tuple[str, ...]], weakref.ref[memoryview]] | None = None
 
@@ -75,7 +76,9 @@ class StateText:
             document = last[1]() if last is not None and last[0] == key else None
             if document is None:
                 self._last = None
-                members = self._entries.render(view.kernels, _entry)[0]
+                changed = view.changed_since(self._version) if self._version is not None else None
+                members = self._entries.render(view.kernels, _entry, changed)[0]
+                self._version = view.version
                 document = memoryview(_document(view, roots, node, members))  # of bytes: read-only
                 self._last = (key, weakref.ref(document))
             return document

@@ -11,7 +11,7 @@ import gzip
 import re
 import weakref
 from bisect import bisect_right, insort
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import TypeVar
 
 __all__ = ["OPENMETRICS_EOF", "ChunkedText", "CreatedTimes", "gzip_member", "openmetrics_text"]
@@ -65,24 +65,41 @@ class ChunkedText:
         self._firsts: list[str] = []  # each chunk's first key, for bisect
         self._keys: set[str] = set()  # every key of the last render
 
-    def render(self, objects: Mapping[str, T], encode: Callable[[str, T], Sequence[bytes]]) -> list[list[bytes]]:
+    def render(self, objects: Mapping[str, T], encode: Callable[[str, T], Sequence[bytes]],
+               changed: Collection[str] | None = None) -> list[list[bytes]]:
         """Per section, its pieces in key order (gzip members if ``gzipped``; empty ones left out):
         ``b"".join`` of a section's pieces is its text or gzip stream.
 
         :param objects: key -> the object its segments are encoded from.
         :param encode: ``(key, object)`` -> its segment in each section.
+        :param changed: every key whose object may differ from the last render's (came, went or
+            was replaced), where the caller knows them: only their chunks are compared, so a
+            render after one change costs one chunk, not a look at every key (10,000 kernels:
+            ~1.6 ms). None: every chunk is compared.
         """
         keys, touched = objects.keys(), set()
+        candidates: Iterable[int] | None = None
         if not self._chunks:
             order = sorted(keys)
             self._chunks = [_Chunk(order[i:i + self._target]) for i in range(0, len(order), self._target)]
             self._keys = set(keys)
+        elif changed is not None:
+            gone = [k for k in changed if k in self._keys and k not in objects]
+            came = [k for k in changed if k in objects and k not in self._keys]
+            if gone or came:
+                touched = self._move_keys(gone, came)
+                self._keys.difference_update(gone)
+                self._keys.update(came)
+                self._firsts = [c.keys[0] for c in self._chunks]
+            firsts = self._firsts
+            candidates = sorted(touched.union(max(bisect_right(firsts, k) - 1, 0) for k in changed if k in objects))
         elif keys != self._keys:  # a set comparison, no copy: keys come and go far less often than they change
             new = set(keys)
             touched = self._move_keys(self._keys - new, new - self._keys)
             self._keys = new
         get = objects.__getitem__
-        for n, chunk in enumerate(self._chunks):
+        for n in range(len(self._chunks)) if candidates is None else candidates:
+            chunk = self._chunks[n]
             current = list(map(get, chunk.keys))
             kept = chunk.objects
             if self._weak and kept is not None:

@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import threading
 import time
+from bisect import bisect_right
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal
@@ -171,6 +172,21 @@ class AllocationView:
     # kernel id -> why the agent's own reader rejects its file (ResourceSpec.agent_unreadable);
     # nearly always empty, and kept as kernels change so that no reader walks every kernel for it.
     agent_unreadable: Mapping[str, tuple[str, ...]]
+    # The book's recent changes, (version, kernel id) in version order, complete for every version
+    # after ``changes_from`` (None: no record, as for a view built by hand). See changed_since.
+    changes: tuple[tuple[int, str], ...] = field(default=(), compare=False, repr=False)
+    changes_from: int | None = field(default=None, compare=False)
+
+    def changed_since(self, version: int) -> frozenset[str] | None:
+        """The ids of the kernels that changed (came, went, or were replaced) after ``version`` up to
+        this view's; None where that is not known (``version`` older than the book's record, or
+        not one of this book's). What lets a reader of 10,000 kernels redo only the few that changed."""
+        if version == self.version:
+            return frozenset()
+        if self.changes_from is None or not self.changes_from <= version < self.version:
+            return None
+        start = bisect_right(self.changes, version, key=_entry_version)
+        return frozenset(kernel_id for _, kernel_id in self.changes[start:])
 
     def device_ids(self) -> frozenset[str]:
         return frozenset(d for d, _ in self.device_totals)
@@ -182,6 +198,15 @@ class AllocationView:
             (Allocation(slot, device_id, amount) for (device_id, slot), amount in self.device_totals.items()),
             capacities,
         )
+
+
+def _entry_version(entry: tuple[int, str]) -> int:
+    return entry[0]
+
+
+# Changes the book keeps for AllocationView.changed_since: a few seconds of a busy node's churn.
+# Past it the oldest versions go whole, and a reader that far behind walks every kernel.
+_CHANGES_KEPT = 2048
 
 
 @lru_cache(maxsize=1024)
@@ -243,6 +268,8 @@ class AllocationBook:
         self._states = dict.fromkeys(KernelState, 0)
         self._unreadable: dict[str, tuple[str, ...]] = {}
         self._version = 0
+        self._changes: list[tuple[int, str]] = []  # (version, kernel id), for AllocationView.changed_since
+        self._changes_from = 0  # every change after this version is in _changes
         self._errors_total = 0
         self._view: AllocationView | None = None
         self._listeners: tuple[Callable[[], None], ...] = ()
@@ -293,6 +320,7 @@ class AllocationBook:
                 return None
             new = dataclasses.replace(old, identity=identity)
             self._kernels[kernel_id] = new  # allocations unchanged: no totals to move
+            self._changes.append((self._version + 1, kernel_id))
             self._changed()
             return new
 
@@ -340,6 +368,8 @@ class AllocationBook:
                     agent_unreadable=MappingProxyType(dict(self._unreadable)),
                     parse_errors_total=self._errors_total,
                     created_at=self._clock(),
+                    changes=tuple(self._changes),
+                    changes_from=self._changes_from,
                 )
             return self._view
 
@@ -360,6 +390,7 @@ class AllocationBook:
 
     def _put(self, old: Kernel | None, new: Kernel | None) -> None:
         # Caller holds the lock; the caller announces the change.
+        self._changes.append((self._version + 1, (old or new).kernel_id))
         if old is not None:
             self._count(old.allocations, -1)
             self._states[old.state] -= 1
@@ -376,6 +407,13 @@ class AllocationBook:
     def _changed(self) -> None:
         # Caller holds the lock.
         self._version += 1
+        changes = self._changes
+        if len(changes) > _CHANGES_KEPT:
+            # Whole versions go, oldest first: a version is either recorded in full or not at all.
+            cut = changes[len(changes) - _CHANGES_KEPT][0]
+            start = bisect_right(changes, cut, key=_entry_version)
+            del changes[:start]
+            self._changes_from = cut
         for listener in self._listeners:
             listener()
 

@@ -425,3 +425,115 @@ def test_a_pass_between_samples_loses_no_busy_time() -> None:
     clock.now = sim.now
     out = account(acc, sim, {})
     assert out.busy_seconds[(K_A, GPUS[0])] == pytest.approx(0.5 * 0.6 * sim.now)
+
+
+COUNTER_FIELDS = ("allocated_seconds", "busy_seconds", "energy_joules", "device_allocated_seconds",
+                  "device_unallocated_seconds", "device_busy_seconds", "device_energy_joules",
+                  "device_unattributed_joules", "owner_allocated_seconds", "owner_busy_seconds", "owner_energy_joules")
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), split=st.sampled_from(ENERGY_SPLITS))
+def test_a_pass_that_moves_only_the_changed_kernels_equals_a_settle(seed: int, split: str) -> None:
+    """Two accountants see the same allocation book over a random timeline (kernels start, stop,
+    resize, overcommit a GPU, use a GPU the inventory lacks, get an owner late; energy counters
+    climb; some passes measure use): one told which kernels changed (so passes that measure
+    nothing move only their counters), one not (every pass settles every kernel). At every pass
+    every counter is the same to 1e-9, the told one's never goes down by even a rounding error,
+    and it did take the short path."""
+    from exporter.scratch.allocation import AllocationBook
+
+    rng = random.Random(seed)
+    clock = Clock()
+    book = AllocationBook(clock)
+    told, walked = Accountant(clock, retention=30.0, energy_split=split), Accountant(clock, retention=30.0, energy_split=split)
+    energy = dict.fromkeys(GPUS, 0.0)
+    ids = [f"00000000-0000-4000-8000-{n:012d}" for n in range(12)]
+    before = None
+    for _ in range(60):
+        for _ in range(rng.choice((0, 1, 1, 2, 5))):
+            kid, roll = rng.choice(ids), rng.random()
+            if roll < 0.2:
+                book.remove(kid)
+            elif roll < 0.3 and book.view().kernels.get(kid) is not None:
+                book.set_identity(kid, Identity(kid, user_id=rng.choice(USERS), project_id=rng.choice(PROJECTS)))
+            else:
+                gpus = rng.sample([*GPUS, "GPU-ffffffff-0000-4000-8000-00000000000f"] if rng.random() < 0.1 else GPUS,
+                                  rng.choice((0, 1, 1, 2)))
+                amount = Decimal(rng.choice(("0.5", "1.25", "2.5", "5")) if rng.random() < 0.9 else "13.5")
+                book.apply(kid, "/scratch", ResourceSpec(tuple(Allocation("cuda.shares", g, amount) for g in gpus), (), None))
+        clock.now += rng.choice((0.0, 0.001, 0.5, 5.0, 20.0))
+        for g in GPUS:
+            energy[g] += (clock.now - (before[1] if before else 0.0)) * rng.choice((60.0, 300.0))
+        view = book.view()
+        snapshot = TelemetrySnapshot(source="nvml", success=True, devices=tuple(
+            DeviceReading(uuid=g, index=i, memory_total_bytes=40 * GIB, multiprocessor_count=108, energy_joules=energy[g],
+                          nvml_generation=1) for i, g in enumerate(GPUS)))
+        resolver = DeviceResolver(snapshot, [a.device_id for k in view.kernels.values() for a in k.allocations])
+        attribution = None
+        measurable = [(kid, a.device_id) for kid, k in sorted(view.kernels.items()) for a in k.allocations]
+        if measurable and rng.random() < 0.15:  # a pass that measures a kernel's use: both settle
+            kid, g = measurable[0]
+            attribution = AttributionResult((KernelDeviceUsage(kid, g, True, 1, GIB, 0.5, 0.0, 0.0),), (), (), {}, 0.0)
+        from exporter.analysis.pipeline import _changes
+
+        a = told.update(view.kernels.values(), snapshot, resolver, CAPACITY, attribution, version=view.version,
+                        changes=lambda v, view=view: _changes(view, v))
+        b = walked.update(view.kernels.values(), snapshot, resolver, CAPACITY, attribution, version=view.version)
+        for name in COUNTER_FIELDS:
+            ours, theirs = dict(getattr(a, name).items()), dict(getattr(b, name).items())
+            assert ours.keys() == theirs.keys(), name
+            assert all(close(ours[k], theirs[k]) for k in ours), name
+        assert dict(a.shares) == dict(b.shares), set(a.shares.items()) ^ set(b.shares.items())
+        assert dict(a.kernels) == dict(b.kernels), set(a.kernels.items()) ^ set(b.kernels.items())
+        assert dict(a.measured) == dict(b.measured)
+        if before is not None:
+            for name in COUNTER_FIELDS:
+                old, new = dict(getattr(before[0], name).items()), dict(getattr(a, name).items())
+                assert all(new[k] >= v for k, v in old.items() if k in new), name
+        before = (a, clock.now)
+
+
+def test_a_pass_after_a_few_changes_walks_only_them(monkeypatch) -> None:
+    """200 kernels, then one changes, one comes and one goes: the pass reads only those three
+    (no walk over every kernel), and its counters are a settle's."""
+    from exporter.analysis.pipeline import _changes
+    from exporter.scratch.allocation import AllocationBook
+
+    clock = Clock()
+    book = AllocationBook(clock)
+    spec = [ResourceSpec((Allocation("cuda.shares", GPUS[n % 2], Decimal("0.05")),), (), None) for n in range(2)]
+    for n in range(200):
+        book.apply(f"k{n:03}", "/scratch", spec[n % 2])
+    snapshot = TelemetrySnapshot(source="nvml", success=True, devices=tuple(
+        DeviceReading(uuid=g, index=i, memory_total_bytes=40 * GIB, multiprocessor_count=108) for i, g in enumerate(GPUS)))
+    resolver = DeviceResolver(snapshot, GPUS)
+    told, walked = Accountant(clock), Accountant(clock)
+
+    def both() -> tuple[Accounting, Accounting]:
+        view = book.view()
+        return (told.update(view.kernels.values(), snapshot, resolver, CAPACITY, None, version=view.version,
+                            changes=lambda v: _changes(view, v)),
+                walked.update(view.kernels.values(), snapshot, resolver, CAPACITY, None, version=view.version))
+
+    both()
+    clock.now = 10.0
+    book.apply("k000", "/scratch", spec[1])
+    book.apply("k999", "/scratch", spec[0])
+    book.remove("k001")
+    walks = []
+    rates = Accountant._rates
+    monkeypatch.setattr(Accountant, "_rates", lambda self, *a: walks.append(self) or rates(self, *a))
+    clock.now = 15.0
+    a, b = both()
+    assert walks == [walked]  # the told one moved three kernels' counters, the other walked all 201
+    for name in COUNTER_FIELDS:
+        assert dict(getattr(a, name).items()) == pytest.approx(dict(getattr(b, name).items()), rel=1e-12), name
+    # A pass integrates what the last one saw: k000 held GPU a until now, and GPU b from now on.
+    assert a.allocated_seconds[("k000", GPUS[0])] == pytest.approx(0.05 / 13.5 * 15)
+    assert a.allocated_seconds[("k000", GPUS[1])] == 0.0
+    assert a.allocated_seconds[("k001", GPUS[1])] == pytest.approx(0.05 / 13.5 * 15)  # kept after it went
+    clock.now = 25.0
+    a, b = both()
+    assert a.allocated_seconds[("k000", GPUS[1])] == pytest.approx(0.05 / 13.5 * 10)
+    assert a.allocated_seconds[("k001", GPUS[1])] == pytest.approx(0.05 / 13.5 * 15)

@@ -186,8 +186,8 @@ def _segments(key: str, obj: _Obj) -> tuple[bytes, ...]:
 @given(st.booleans(), st.integers(min_value=4, max_value=6),
        st.lists(st.lists(st.tuples(st.text("abcdefghijkl", min_size=1, max_size=2),
                                    st.one_of(st.none(), st.text(max_size=4))), max_size=30),
-                max_size=8))
-def test_chunked_text_equals_encoding_everything_again(gzipped, chunk_keys, steps) -> None:
+                max_size=8), st.booleans())
+def test_chunked_text_equals_encoding_everything_again(gzipped, chunk_keys, steps, told) -> None:
     """Keys come, change (a new object, same value or not) and go between renders, in numbers
     that split, merge and empty chunks; each render equals every key encoded afresh, in key
     order, whatever was kept from the last one (plain or as gzip members)."""
@@ -199,7 +199,9 @@ def test_chunked_text_equals_encoding_everything_again(gzipped, chunk_keys, step
             else:
                 objects[key] = _Obj(value)
         full = [_segments(k, objects[k]) for k in sorted(objects)]
-        sections = chunked.render(dict(objects), _segments)
+        # Told which keys changed (a superset, as a book's record may be) or left to compare all.
+        changed = {key for key, _ in step} | set(list(objects)[:1]) if told else None
+        sections = chunked.render(dict(objects), _segments, changed)
         assert len(sections) == 3
         for s, pieces in enumerate(sections):
             joined = b"".join(pieces)
@@ -227,6 +229,12 @@ def test_chunked_text_encodes_only_the_chunks_of_changed_keys() -> None:
     assert b"".join(after) == b"k00k01k02k03k04K05newk06k07k08k09k10k11"
     encoded.clear()
     assert chunked.render(objects, encode)[0] == after and encoded == []  # nothing changed: nothing encoded
+    # Told which keys changed, it looks at their chunks only: an unnamed change waits for a full look.
+    objects = {**objects, "k01": _Obj("K01"), "k10": _Obj("K10")}
+    told = chunked.render(objects, encode, changed={"k10"})[0]
+    assert sorted(encoded) == ["k08", "k09", "k10", "k11"] and told[0] is after[0]
+    encoded.clear()
+    assert b"k00K01" in b"".join(chunked.render(objects, encode)[0]) and sorted(encoded) == ["k00", "k01", "k02", "k03"]
 
 
 def test_kernel_text_openmetrics_form_is_the_conversion_of_its_text() -> None:

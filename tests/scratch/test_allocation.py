@@ -154,6 +154,45 @@ def test_kernels_removed_together_are_one_change() -> None:
     assert book.remove_many(["gone"]) == 0 and book.version == version + 1 and changes == [1]
 
 
+def test_changed_since_names_every_kernel_that_changed_after_a_version(monkeypatch) -> None:
+    """Against a diff of the views themselves: every kernel that came, went or was replaced
+    (an identity too) after any version the book still records, and None past its record."""
+    from exporter.scratch import allocation
+    from exporter.scratch.identity import Identity
+
+    monkeypatch.setattr(allocation, "_CHANGES_KEPT", 40)
+    rng = random.Random(3)
+    book = AllocationBook()
+    outcomes = [parse_resource(GOOD), parse_resource(GOOD.replace("0.5", "0.25")), Pending("missing SLOTS")]
+    views = [book.view()]
+    for _ in range(400):
+        kid = f"k{rng.randrange(30)}"
+        roll = rng.random()
+        if roll < 0.15:
+            book.remove(kid)
+        elif roll < 0.2:
+            book.remove_many([f"k{rng.randrange(30)}" for _ in range(rng.choice([3, 60]))])
+        elif roll < 0.3:
+            book.set_identity(kid, Identity(kid, session_id=f"s{rng.randrange(3)}"))
+        else:
+            book.apply(kid, "/r", rng.choice(outcomes))
+        view = book.view()
+        if view.version != views[-1].version:
+            views.append(view)
+    now, known = views[-1], 0
+    for old in views:
+        changed = now.changed_since(old.version)
+        if changed is None:
+            assert now.changes_from is not None and old.version < now.changes_from
+            continue
+        known += 1
+        diff = {k for k in old.kernels.keys() | now.kernels.keys() if old.kernels.get(k) is not now.kernels.get(k)}
+        assert diff <= changed  # a kernel changed and changed back is named too: never one missed
+        assert changed <= old.kernels.keys() | now.kernels.keys() | {k for _, k in now.changes}
+    assert known > 10 and now.changed_since(now.version) == frozenset()
+    assert now.changed_since(now.version + 1) is None and views[0].changed_since(-5) is None
+
+
 def test_a_scratch_tree_of_backendai_samples_matches_what_the_agent_reads_back(tmp_path: Path) -> None:
     samples = SAMPLES + SAMPLES_26
     for i, sample in enumerate(samples):
