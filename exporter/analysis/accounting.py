@@ -81,10 +81,6 @@ _NO_OWNER: _Owner = (UNDEFINED, UNDEFINED)
 # A pass that sees at most this many changed kernels, and measures nothing, moves only their
 # counters (Accountant._shift); past it, one walk over every kernel costs less than the bookkeeping.
 _SHIFT_KERNELS = 256
-# A GPU whose shares add up to more than this is settled by a walk over every kernel: its rates
-# are shares ÷ their sum, which the shift does not keep (the margin makes float rounding of the
-# sum never decide between the two paths).
-_SHIFT_FULL_GPU = 1.0 - 1e-9
 
 
 @dataclass(frozen=True, slots=True)
@@ -295,8 +291,8 @@ def gpu_shares(held: Iterable[_Held]) -> dict[str, float]:
     return out
 
 
-# For Accountant._shift: each GPU's and each owner's pairs with their rates, and the kernels that
-# have counters.
+# For Accountant._shift: each GPU's pairs with their shares, each owner's with their rates, and the
+# kernels that have counters.
 _Index = tuple[dict[str, dict[_Pair, float]], dict[_Owner, dict[_Pair, float]], set[str]]
 
 # One kernel's cached holdings: its Kernel object, what it holds, and (GPU, share) pairs.
@@ -398,12 +394,11 @@ class Accountant:
         self._mark: dict[_Pair, float] = {}
         self._use_before: frozenset[str] = frozenset()
         self._ended: dict[str, float] = {}  # kernel_id -> monotonic time it went away
-        # For a shift (see _shift): the GPUs of the last settle, those of the inventory, those
-        # overcommitted, and (built on the first shift after a settle) each GPU's and each
-        # owner's pairs with their rates.
+        # For a shift (see _shift): the GPUs of the last settle, those of the inventory, and (built
+        # on the first shift after a settle) each GPU's pairs with their shares and each owner's
+        # with their rates.
         self._devices: tuple[str, ...] = ()
         self._inventory_gpus: frozenset[str] = frozenset()
-        self._over: frozenset[str] = frozenset()
         self._index: _Index | None = None
         self._drive_shown: Mapping[str, float] = {}  # the energy drive of the last result handed out
 
@@ -626,11 +621,10 @@ class Accountant:
                 shares[key] = alloc_rates[key] = share
         # An overcommitted GPU (shares adding up to more than 1) gives each kernel its share of
         # what there is, so the GPU's ledger balances: share ÷ Σ shares.
-        total: dict[str, float] = {}
+        per_gpu: dict[str, list[float]] = {}
         for (_, gpu), share in alloc_rates.items():
-            total[gpu] = total.get(gpu, 0.0) + share
-        over = {gpu: t for gpu, t in total.items() if t > 1.0}
-        self._over = frozenset(gpu for gpu, t in total.items() if t > _SHIFT_FULL_GPU)
+            per_gpu.setdefault(gpu, []).append(share)
+        over = {gpu: t for gpu, t in ((gpu, math.fsum(shares)) for gpu, shares in per_gpu.items()) if t > 1.0}
         if over:
             for key in alloc_rates:
                 if key[1] in over:
@@ -642,69 +636,80 @@ class Accountant:
                capacity: CapacityConfig, now: float) -> tuple[Mapping, Mapping] | None:
         """Take the changed kernels' new rates without a settle, for a pass that measures nothing
         (so the interval since the last pass is split by allocation, as the counters already
-        read). Only the counters whose rate changes move: each is rebased so that it reads, from
-        now on, its value now plus its new rate's growth (:func:`_rebased`: never less than it read
-        before, so no counter ever goes back by a rounding error). ``since`` stays.
+        read). Only the counters whose rate changes move: the changed kernels', their GPUs' and
+        owners', and on an overcommitted GPU (rates = shares ÷ their sum) every pair of that GPU.
+        Each is rebased so that it reads, from now on, its value now plus its new rate's growth
+        (:func:`_rebased`: never less than it read before, so no counter ever goes back by a
+        rounding error). ``since`` stays.
 
         Returns the shares and uses to publish, or None, with nothing changed, where a settle is
-        needed: a GPU overcommitted before or after, a GPU that comes or goes, or a kernel whose
-        owner changed (a settle charges the whole interval to the owner known now).
+        needed: a GPU known only from allocations that comes or goes, or a kernel whose owner
+        changed (a settle charges the busy time to the owner known now).
         """
-        held, owners, rates0 = dict(self._held), dict(self._owners), self._alloc_rates
-        moved: dict[_Pair, float] = {}  # pair -> its rate from now on (0.0: it went)
-        pair_owner: dict[_Pair, _Owner] = {}
-        came: list[str] = []
+        held, owners = dict(self._held), dict(self._owners)
+        changed_shares: dict[_Pair, float] = {}  # pair of a changed kernel -> its share now (0.0: it went)
         memo: _AllocMemo = {}
         for kid, kernel in changed.items():
             entry = held.pop(kid, None)
-            owner = owners.pop(kid, _NO_OWNER)
+            owners.pop(kid, None)
             for gpu, _ in entry[2] if entry is not None else ():
-                moved[(kid, gpu)] = 0.0
-                pair_owner[(kid, gpu)] = owner
+                changed_shares[(kid, gpu)] = 0.0
             if kernel is None:
                 continue
-            if kid in self._owners and _owner(kernel) != owner:
-                return None
             owner = owners[kid] = _owner(kernel)
+            if kid in self._owners and self._owners[kid] != owner:
+                return None
             if entry is None or entry[0] is not kernel:
                 parts = _held(kernel, snapshot, resolver, capacity, memo)
                 entry = (kernel, parts, tuple(gpu_shares(parts).items()))
             held[kid] = entry
-            came.append(kid)
             for gpu, share in entry[2]:
-                moved[(kid, gpu)] = share
-                pair_owner[(kid, gpu)] = owner
+                changed_shares[(kid, gpu)] = share
         shown = self._result.shares if self._result is not None else {}
-        moved = {key: rate for key, rate in moved.items() if rates0.get(key) != (rate or None) or shown.get(key) != (rate or None)}
+        changed_shares = {key: share for key, share in changed_shares.items() if shown.get(key) != (share or None)}
         by_gpu, by_owner, counted = self._index or self._build_index()
-        gpus = {key[1] for key in moved}
-        if not gpus.isdisjoint(self._over):
-            return None
-        gpu_pairs = {gpu: dict(by_gpu.get(gpu, {})) for gpu in gpus}
-        owner_pairs = {owner: dict(by_owner.get(owner, {})) for owner in {pair_owner[key] for key in moved}}
-        for key, rate in moved.items():
-            for pairs in (gpu_pairs[key[1]], owner_pairs[pair_owner[key]]):
-                if rate:
-                    pairs[key] = rate
-                else:
-                    pairs.pop(key, None)
-        dev_rates = {gpu: math.fsum(pairs.values()) for gpu, pairs in gpu_pairs.items()}
-        if any(total > _SHIFT_FULL_GPU for total in dev_rates.values()):
-            return None
-        if any(bool(pairs) != (gpu in by_gpu and bool(by_gpu[gpu])) and gpu not in self._inventory_gpus
-               for gpu, pairs in gpu_pairs.items()):
+        gpu_shares_now = {gpu: dict(by_gpu.get(gpu, {})) for gpu in {key[1] for key in changed_shares}}
+        for key, share in changed_shares.items():
+            if share:
+                gpu_shares_now[key[1]][key] = share
+            else:
+                gpu_shares_now[key[1]].pop(key, None)
+        if any(bool(pairs) != bool(by_gpu.get(gpu)) and gpu not in self._inventory_gpus for gpu, pairs in gpu_shares_now.items()):
             return None  # a GPU known only from allocations came or went: the devices change
+        # The new rates: a changed pair's share, and on a GPU overcommitted before or after, every
+        # pair's share ÷ the GPU's Σ shares (math.fsum, as a settle sums them).
+        rates0 = self._alloc_rates
+        moved: dict[_Pair, float] = {}  # pair -> its rate from now on (0.0: it went)
+        for gpu, pairs in gpu_shares_now.items():
+            total, before = math.fsum(pairs.values()), math.fsum(by_gpu.get(gpu, {}).values())
+            if total > 1.0 or before > 1.0:
+                for key in by_gpu.get(gpu, {}).keys() - pairs.keys():
+                    moved[key] = 0.0
+                moved.update({key: share / total if total > 1.0 else share for key, share in pairs.items()})
+        moved.update((key, share) for key, share in changed_shares.items() if key not in moved)
+        moved = {key: rate for key, rate in moved.items() if rates0.get(key) != (rate or None)}
+        pair_owner = {key: owners.get(key[0]) or self._owners.get(key[0], _NO_OWNER) for key in moved}
+        owner_rates_now = {owner: dict(by_owner.get(owner, {})) for owner in set(pair_owner.values())}
+        for key, rate in moved.items():
+            if rate:
+                owner_rates_now[pair_owner[key]][key] = rate
+            else:
+                owner_rates_now[pair_owner[key]].pop(key, None)
         # Committed from here on: the new rates and the rebased counters.
+        gpus = {key[1] for key in moved}
         d = now - self._since  # as _Counters reads it
         drive = {gpu: joules - self._joules_at_since.get(gpu, 0.0) for gpu, joules in self._joules.items()}
         energy_gpus = self._energy_read.keys()
         started = [key for key, rate in moved.items() if rate]
-        self._alloc_base, self._alloc_rates = _rebased(self._alloc_base, rates0, moved, d, present=started)
+        self._alloc_base, self._alloc_rates = _rebased(self._alloc_base, rates0, {k: r or None for k, r in moved.items()}, d,
+                                                       present=started)
         counted.update(key[0] for key in started)
         self._energy_base, self._energy_rates = _rebased_driven(
             self._energy_base, self._energy_rates, {key: ((key[1], rate),) if rate else None for key, rate in moved.items()},
-            drive, present=[key for key, rate in moved.items() if rate and key[1] in energy_gpus])
-        dev_new = {gpu: (rate if gpu_pairs[gpu] else None) for gpu, rate in dev_rates.items()}
+            drive, present=[key for key in started if key[1] in energy_gpus])
+        rates1 = self._alloc_rates
+        dev_rates = {gpu: math.fsum(rates1[key] for key in gpu_shares_now.get(gpu, {}) if key in rates1) for gpu in gpus}
+        dev_new = {gpu: (rate if gpu_shares_now.get(gpu) else None) for gpu, rate in dev_rates.items()}
         free_new = {gpu: max(0.0, 1.0 - rate) for gpu, rate in dev_rates.items() if gpu in self._devices}
         self._dev_alloc_base, self._dev_alloc_rates = _rebased(self._dev_alloc_base, self._dev_alloc_rates, dev_new, d, present=gpus)
         self._dev_free_base, self._dev_free_rates = _rebased(self._dev_free_base, self._dev_free_rates, free_new, d, present=())
@@ -713,9 +718,9 @@ class Accountant:
             drive, present=())
         self._dev_unattr_base, self._dev_unattr_rates = _rebased_driven(
             self._dev_unattr_base, self._dev_unattr_rates, {g: ((g, r),) for g, r in free_new.items()}, drive, present=())
-        own_new = {owner: math.fsum(pairs.values()) if pairs else None for owner, pairs in owner_pairs.items()}
+        own_new = {owner: math.fsum(pairs.values()) if pairs else None for owner, pairs in owner_rates_now.items()}
         split_new: dict[_Owner, _Split | None] = {}
-        for owner, pairs in owner_pairs.items():
+        for owner, pairs in owner_rates_now.items():
             per: dict[str, list[float]] = {}
             for key, rate in pairs.items():
                 per.setdefault(key[1], []).append(rate)
@@ -725,19 +730,18 @@ class Accountant:
         self._own_energy_base, self._own_energy_rates = _rebased_driven(
             self._own_energy_base, self._own_energy_rates, split_new, drive,
             present=[o for o, split in split_new.items() if split and not energy_gpus.isdisjoint(g for g, _ in split)])
-        by_gpu.update(gpu_pairs)
-        by_owner.update(owner_pairs)
+        by_gpu.update(gpu_shares_now)
+        by_owner.update(owner_rates_now)
         for kid in changed:  # as a settle does: a kernel that went keeps its counters for the retention
             if kid in held:
                 self._ended.pop(kid, None)
             elif kid in counted:
                 self._ended.setdefault(kid, now)
         self._held, self._owners = held, owners
-        prev = self._result
-        shares, uses = dict(prev.shares), dict(prev.kernels)
-        for key, rate in moved.items():
-            if rate:
-                shares[key] = rate
+        shares, uses = dict(shown), dict(self._result.kernels)
+        for key, share in changed_shares.items():
+            if share:
+                shares[key] = share
             else:
                 shares.pop(key, None)
         unmeasured = KernelUse(None, None)
@@ -751,8 +755,9 @@ class Accountant:
     def _build_index(self) -> _Index:
         by_gpu: dict[str, dict[_Pair, float]] = {}
         by_owner: dict[_Owner, dict[_Pair, float]] = {}
+        shares = self._result.shares if self._result is not None else {}
         for key, rate in self._alloc_rates.items():
-            by_gpu.setdefault(key[1], {})[key] = rate
+            by_gpu.setdefault(key[1], {})[key] = shares[key]
             by_owner.setdefault(self._owners.get(key[0], _NO_OWNER), {})[key] = rate
         self._index = (by_gpu, by_owner, {key[0] for key in self._alloc_base})
         return self._index

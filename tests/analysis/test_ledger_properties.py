@@ -460,7 +460,7 @@ def test_a_pass_that_moves_only_the_changed_kernels_equals_a_settle(seed: int, s
             else:
                 gpus = rng.sample([*GPUS, "GPU-ffffffff-0000-4000-8000-00000000000f"] if rng.random() < 0.1 else GPUS,
                                   rng.choice((0, 1, 1, 2)))
-                amount = Decimal(rng.choice(("0.5", "1.25", "2.5", "5")) if rng.random() < 0.9 else "13.5")
+                amount = Decimal(rng.choice(("0.5", "1.25", "2.5", "5", "13.5")))
                 book.apply(kid, "/scratch", ResourceSpec(tuple(Allocation("cuda.shares", g, amount) for g in gpus), (), None))
         clock.now += rng.choice((0.0, 0.001, 0.5, 5.0, 20.0))
         for g in GPUS:
@@ -484,9 +484,8 @@ def test_a_pass_that_moves_only_the_changed_kernels_equals_a_settle(seed: int, s
             ours, theirs = dict(getattr(a, name).items()), dict(getattr(b, name).items())
             assert ours.keys() == theirs.keys(), name
             assert all(close(ours[k], theirs[k]) for k in ours), name
-        assert dict(a.shares) == dict(b.shares), set(a.shares.items()) ^ set(b.shares.items())
-        assert dict(a.kernels) == dict(b.kernels), set(a.kernels.items()) ^ set(b.kernels.items())
-        assert dict(a.measured) == dict(b.measured)
+        assert dict(a.shares) == dict(b.shares) and dict(a.kernels) == dict(b.kernels) and dict(a.measured) == dict(b.measured)
+        assert told._alloc_rates.keys() == walked._alloc_rates.keys()
         if before is not None:
             for name in COUNTER_FIELDS:
                 old, new = dict(getattr(before[0], name).items()), dict(getattr(a, name).items())
