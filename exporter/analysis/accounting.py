@@ -328,9 +328,10 @@ class Accountant:
     Time-driven counters (allocated, unallocated) grow at constant rates between changes
     (:class:`_Counters`) and energy counters at constant fractions of each GPU's energy
     (:class:`_Driven`): a pass over an unchanged node (same kernels, same inventory, nothing
-    measured) changes no rate and costs O(GPUs) instead of a walk over every kernel; a change
-    settles every counter once, at the pass that sees it. Busy time changes only where it is
-    measured, at the passes that measure it.
+    measured) changes no rate and costs O(GPUs) instead of a walk over every kernel; a pass that
+    measures nothing and is told which few kernels changed moves only the counters whose rate
+    changes (:meth:`_shift`); any other pass settles every counter once. Busy time changes only
+    where it is measured, at the passes that measure it.
 
     :param monotonic: seconds, for the time between passes.
     :param retention: seconds an ended kernel's counters stay exported.
