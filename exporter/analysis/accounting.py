@@ -57,6 +57,7 @@ import time
 from collections.abc import Callable, Collection, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal
+from itertools import chain
 from types import MappingProxyType
 
 from exporter.analysis.attribution import AttributionResult, ProcessUsage
@@ -291,9 +292,9 @@ def gpu_shares(held: Iterable[_Held]) -> dict[str, float]:
     return out
 
 
-# For Accountant._shift: each GPU's pairs with their shares, each owner's with their rates, and the
-# kernels that have counters.
-_Index = tuple[dict[str, dict[_Pair, float]], dict[_Owner, dict[_Pair, float]], set[str]]
+# For Accountant._shift: each GPU's pairs with their shares, each owner's per GPU with their rates,
+# and the kernels that have counters.
+_Index = tuple[dict[str, dict[_Pair, float]], dict[_Owner, dict[str, dict[_Pair, float]]], set[str]]
 
 # One kernel's cached holdings: its Kernel object, what it holds, and (GPU, share) pairs.
 _HeldEntry = tuple[Kernel, tuple[_Held, ...], tuple[tuple[str, float], ...]]
@@ -690,12 +691,20 @@ class Accountant:
         moved.update((key, share) for key, share in changed_shares.items() if key not in moved)
         moved = {key: rate for key, rate in moved.items() if rates0.get(key) != (rate or None)}
         pair_owner = {key: owners.get(key[0]) or self._owners.get(key[0], _NO_OWNER) for key in moved}
+        # Each owner's pairs per GPU: copies of the GPUs that move only.
         owner_rates_now = {owner: dict(by_owner.get(owner, {})) for owner in set(pair_owner.values())}
+        copied: set[tuple[_Owner, str]] = set()
         for key, rate in moved.items():
+            owner, gpu = pair_owner[key], key[1]
+            per_gpu = owner_rates_now[owner]
+            if (owner, gpu) not in copied:
+                per_gpu[gpu] = dict(per_gpu.get(gpu, {}))
+                copied.add((owner, gpu))
+            pairs = per_gpu[gpu]
             if rate:
-                owner_rates_now[pair_owner[key]][key] = rate
+                pairs[key] = rate
             else:
-                owner_rates_now[pair_owner[key]].pop(key, None)
+                pairs.pop(key, None)
         # Committed from here on: the new rates and the rebased counters.
         gpus = {key[1] for key in moved}
         d = now - self._since  # as _Counters reads it
@@ -719,13 +728,12 @@ class Accountant:
             drive, present=())
         self._dev_unattr_base, self._dev_unattr_rates = _rebased_driven(
             self._dev_unattr_base, self._dev_unattr_rates, {g: ((g, r),) for g, r in free_new.items()}, drive, present=())
-        own_new = {owner: math.fsum(pairs.values()) if pairs else None for owner, pairs in owner_rates_now.items()}
+        own_new: dict[_Owner, float | None] = {}
         split_new: dict[_Owner, _Split | None] = {}
-        for owner, pairs in owner_rates_now.items():
-            per: dict[str, list[float]] = {}
-            for key, rate in pairs.items():
-                per.setdefault(key[1], []).append(rate)
-            split_new[owner] = tuple((gpu, math.fsum(per[gpu])) for gpu in sorted(per)) or None
+        for owner, per_gpu in owner_rates_now.items():
+            gpus_held = sorted(gpu for gpu, pairs in per_gpu.items() if pairs)
+            own_new[owner] = math.fsum(chain.from_iterable(per_gpu[gpu].values() for gpu in gpus_held)) if gpus_held else None
+            split_new[owner] = tuple((gpu, math.fsum(per_gpu[gpu].values())) for gpu in gpus_held) or None
         self._own_alloc_base, self._own_alloc_rates = _rebased(self._own_alloc_base, self._own_alloc_rates, own_new, d,
                                                                present=[o for o, r in own_new.items() if r is not None])
         self._own_energy_base, self._own_energy_rates = _rebased_driven(
@@ -755,11 +763,11 @@ class Accountant:
 
     def _build_index(self) -> _Index:
         by_gpu: dict[str, dict[_Pair, float]] = {}
-        by_owner: dict[_Owner, dict[_Pair, float]] = {}
+        by_owner: dict[_Owner, dict[str, dict[_Pair, float]]] = {}
         shares = self._result.shares if self._result is not None else {}
         for key, rate in self._alloc_rates.items():
             by_gpu.setdefault(key[1], {})[key] = shares[key]
-            by_owner.setdefault(self._owners.get(key[0], _NO_OWNER), {})[key] = rate
+            by_owner.setdefault(self._owners.get(key[0], _NO_OWNER), {}).setdefault(key[1], {})[key] = rate
         self._index = (by_gpu, by_owner, {key[0] for key in self._alloc_base})
         return self._index
 

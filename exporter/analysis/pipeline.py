@@ -37,7 +37,7 @@ from exporter.analysis.attribution import AttributionTracker
 from exporter.analysis.capacity import CapacityConfig, is_fractional_slot
 from exporter.analysis.ghost import GhostMemory, GhostTracker
 from exporter.analysis.health import HealthTracker
-from exporter.analysis.liveness import KernelLiveness, Liveness, classify_kernels, scan_cgroups
+from exporter.analysis.liveness import CgroupScan, KernelLiveness, Liveness, classify_kernels, scan_cgroups
 from exporter.analysis.model import AgentShare, Analysis
 from exporter.analysis.node import (
     HeadroomParams,
@@ -60,6 +60,7 @@ log = logging.getLogger(__name__)
 # Staleness moves on a scale of minutes: re-judged on a kernel change, else every this many seconds.
 STALE_CHECK_SECONDS = 30.0
 _LOG_KERNELS = 5  # kernels named in one stale-change log line; the rest are counted
+_JUDGED_APART = 256  # past this many changed kernels, judging every kernel costs less than the merge
 _SINGLE = AgentLayout(roots=())
 _DEFAULTS = HeadroomParams()
 
@@ -400,22 +401,20 @@ class AnalysisPipeline:
         before = prev.liveness if prev else {}
         cfg = self.config
         if cfg.cgroupfs is not None and (view.version != self._judged[0] or now - self._judged[1] >= STALE_CHECK_SECONDS):
+            judged: frozenset[str] | None = None
             try:
-                cgroups = scan_cgroups(cfg.cgroupfs)
-                # A kernel without CID= that its agent still keeps in its registry is live.
-                recovery = {kid: k.identity.agent_id for kid, k in view.kernels.items()
-                            if k.identity is not None and k.identity.agent_id != UNDEFINED}
-                liveness = classify_kernels(view.kernels, cgroups, self._clock(), cfg.stale_grace,
-                                            recovery_agents=recovery, host_agents=frozenset(cfg.layout.agents))
+                cgroups, liveness, judged = self._judge(prev, view, before, now)
             except Exception:
                 log.exception("stale-kernel check failed")
                 cgroups, liveness = None, {}
-            self._judged = (view.version, now)
-            self._log_stale_changes(before, liveness)
+                self._judged = (view.version, now)
+            self._log_stale_changes(before, liveness, judged)
             visible = cgroups.visible if cgroups else None
             was_visible = prev.cgroups.visible if prev and prev.cgroups else None
             if prev is None or liveness != before or visible != was_visible:
                 out.update(liveness=liveness, liveness_version=prev.liveness_version + 1 if prev else 1)
+            elif self._stale[0] is liveness:  # the same verdicts: the model keeps the old result
+                self._stale = (before, self._stale[1])
             out["cgroups"] = cgroups
         capacity: CapacityConfig = cfg.params.capacity
         attribution = None
@@ -449,9 +448,48 @@ class AnalysisPipeline:
                 log.exception("device health check failed")
         return out
 
-    def _log_stale_changes(self, before: Mapping[str, KernelLiveness], after: Mapping[str, KernelLiveness]) -> None:
+    def _judge(self, prev: Analysis | None, view: AllocationView, before: Mapping[str, KernelLiveness],
+               now: float) -> tuple[CgroupScan, dict[str, KernelLiveness], frozenset[str] | None]:
+        """The cgroup scan and every kernel's verdict, and the kernels judged anew (None: all).
+        While the scan is the last one's and its verdicts are younger than
+        :data:`STALE_CHECK_SECONDS`, only the kernels changed since are judged again (a kernel
+        change at 10,000 kernels must not cost a judgement of every kernel, ~25 ms); time turns
+        the others stale at the next full judgement, as it did before."""
+        cfg = self.config
+        cgroups = scan_cgroups(cfg.cgroupfs)
+        version, at = self._judged
+        changed = None
+        if prev is not None and prev.cgroups == cgroups and now - at < STALE_CHECK_SECONDS:
+            changed = view.changed_since(version)
+            if changed is not None and len(changed) > _JUDGED_APART:
+                changed = None
+        kernels = view.kernels if changed is None else {kid: view.kernels[kid] for kid in changed if kid in view.kernels}
+        # A kernel without CID= that its agent still keeps in its registry is live.
+        recovery = {kid: k.identity.agent_id for kid, k in kernels.items()
+                    if k.identity is not None and k.identity.agent_id != UNDEFINED}
+        verdicts = classify_kernels(kernels, cgroups, self._clock(), cfg.stale_grace,
+                                    recovery_agents=recovery, host_agents=frozenset(cfg.layout.agents))
+        if changed is None:
+            self._judged = (view.version, now)
+            return cgroups, verdicts, None
+        self._judged = (view.version, at)  # the time of the last full judgement
+        liveness = {kid: v for kid, v in before.items() if kid not in changed}
+        liveness.update(verdicts)
+        known, stale = self._stale
+        if known is before:  # keep the stale verdicts filtered: only the judged ones can move
+            stale = {kid: v for kid, v in stale.items() if kid not in changed}
+            stale.update((kid, v) for kid, v in verdicts.items() if v.status is Liveness.STALE)
+            self._stale = (liveness, stale)
+        return cgroups, liveness, changed
+
+    def _log_stale_changes(self, before: Mapping[str, KernelLiveness], after: Mapping[str, KernelLiveness],
+                           judged: frozenset[str] | None = None) -> None:
         """Say once, when it happens, that kernels' allocations leave (or rejoin) the allocated and
-        headroom figures: an operator comparing them with the agent's map needs to know why."""
+        headroom figures: an operator comparing them with the agent's map needs to know why
+        (``judged``: the only kernels whose verdict may have moved; None: any)."""
+        if judged is not None:
+            before = {k: before[k] for k in judged if k in before}
+            after = {k: after[k] for k in judged if k in after}
         became = sorted(k for k, v in after.items()
                         if v.status is Liveness.STALE and (k not in before or before[k].status is not Liveness.STALE))
         back = sorted(k for k, v in before.items()

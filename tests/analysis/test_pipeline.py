@@ -228,3 +228,59 @@ def test_one_gpu_named_two_ways_is_one_device_of_the_node_state() -> None:
     assert headroom(model) == Decimal("15.5")  # 2 + 13.5, not 9 + 13.5 + 13.5
     assert model.unknown_devices == {}  # both spellings name a device
     assert model.view.alloc_map == {"GPU-a1b2": "4.5", "a1b2": "7"}  # the agent's map, as written
+
+
+def test_a_kernel_change_judges_only_the_changed_kernels(tmp_path: Path, monkeypatch) -> None:
+    """Kernels come, change and go, and containers start and stop, over 2 s steps with a 7 s
+    grace: a step that changed a few kernels and no container judges only those (the others keep
+    their verdicts: time moves them at the next full judgement, at most STALE_CHECK_SECONDS
+    later); any other step judges every kernel, as a judgement of all would."""
+    import random
+
+    from exporter.analysis import pipeline as pipeline_module
+    from exporter.analysis.liveness import classify_kernels, scan_cgroups
+
+    cgroup = tmp_path / "cgroup"
+    (cgroup / "system.slice").mkdir(parents=True)
+    (cgroup / "cgroup.controllers").write_text("cpu memory pids\n")
+    clock, rng = Clock(), random.Random(5)
+    book, telemetry = AllocationBook(clock=clock), Telemetry(snapshot("GPU-a"))
+    cids = [f"{n:064x}" for n in range(1, 9)]
+    for n in range(40):
+        book.apply(f"k{n:02}", "/scratch", parse_resource(resource("GPU-a:0.1").replace(CID, rng.choice(cids))))
+    p = pipeline(book, telemetry, clock, cgroupfs=cgroup, stale_grace=7.0)
+    judged: list[int] = []
+    monkeypatch.setattr(pipeline_module, "classify_kernels",
+                        lambda kernels, *a, **k: judged.append(len(kernels)) or classify_kernels(kernels, *a, **k))
+    before = p.step()
+    apart = full = 0
+    for _ in range(60):
+        started = rng.random() < 0.2
+        if started:
+            container = cgroup / "system.slice" / f"docker-{rng.choice(cids)}.scope"
+            container.rmdir() if container.exists() else container.mkdir()
+        touched = set()
+        for _ in range(rng.choice((1, 1, 2, 3))):
+            kid = f"k{rng.randrange(50):02}"
+            touched.add(kid)
+            if rng.random() < 0.2:
+                book.remove(kid)
+            else:
+                book.apply(kid, "/scratch", parse_resource(resource(f"GPU-a:0.{rng.randrange(1, 9)}").replace(CID, rng.choice(cids))))
+        clock.now += 2.0
+        judged.clear()
+        model = p.step()
+        view = book.view()
+        touched = {kid for kid in touched if view.kernels.get(kid) is not before.view.kernels.get(kid)}  # re-applied: no change
+        every = classify_kernels(view.kernels, scan_cgroups(cgroup), clock.now, 7.0)
+        if judged == [len(view.kernels)]:
+            full += 1
+            assert dict(model.liveness) == every
+        elif not judged:  # nothing changed, no full judgement due: the verdicts stay
+            assert model.liveness is before.liveness
+        else:
+            apart += 1
+            assert not started and judged[0] <= len(touched)
+            assert dict(model.liveness) == {kid: every[kid] if kid in touched else before.liveness[kid] for kid in view.kernels}
+        before = model
+    assert apart > 20 and full > 10
