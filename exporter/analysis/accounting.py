@@ -57,7 +57,6 @@ import time
 from collections.abc import Callable, Collection, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal
-from itertools import chain
 from types import MappingProxyType
 
 from exporter.analysis.attribution import AttributionResult, ProcessUsage
@@ -176,9 +175,11 @@ _Split = tuple[tuple[str, float], ...]
 
 
 class _Driven(Mapping):
-    """Counters that grow with the GPUs' energy counters between passes: ``base + Σ fraction ×
-    (joules the GPU used since the last change of any fraction)``, computed when read, as
-    :class:`_Counters` does with time. ``drive``: GPU -> joules since then."""
+    """Counters that grow with a per-GPU drive between passes: ``base + Σ fraction × drive[GPU]``,
+    computed when read, as :class:`_Counters` does with time. The drive is the joules a GPU used
+    since ``since``, or (for the per-pair and per-owner families) the GPU-seconds or joules one
+    unit of share earned since then: 1 per second (per joule) while the GPU's shares add up to at
+    most 1, 1 ÷ their sum while it is overcommitted (see ``Accountant._drives``)."""
 
     __slots__ = ("_base", "_drive", "_rates")
 
@@ -194,10 +195,19 @@ class _Driven(Mapping):
     def __getitem__(self, key: Hashable) -> float:
         return self._value(key, self._base[key])
 
-    def items(self):
+    def items(self):  # every value in one loop (a render reads them all); one-GPU splits inline
         if not any(self._drive.values()):
             return list(self._base.items())
-        return [(key, self._value(key, base)) for key, base in self._base.items()]
+        rates, drive, value = self._rates, self._drive, self._value
+        out = []
+        for key, base in self._base.items():
+            split = rates.get(key, ())
+            if len(split) == 1:
+                gpu, fraction = split[0]
+                out.append((key, base + fraction * drive.get(gpu, 0.0)))
+            else:
+                out.append((key, value(key, base)))
+        return out
 
     def __iter__(self):
         return iter(self._base)
@@ -359,23 +369,31 @@ class Accountant:
         # change: results already handed out keep theirs). Time rates are GPU-seconds per second.
         self._since = 0.0
         self._settled = False
+        # Per pair: its allocated counter at ``since``, its share of the GPU (present pairs), and
+        # the split ((GPU, share),) its allocated and energy counters grow by (see _Driven).
         self._alloc_base: dict[_Pair, float] = {}
-        self._alloc_rates: dict[_Pair, float] = {}
+        self._shares: dict[_Pair, float] = {}
+        self._fracs: dict[_Pair, _Split] = {}
+        # Per GPU with shares: 1 ÷ Σ shares where that is over 1, else 1; and where the unit drives
+        # (GPU-seconds, joules per unit of share) were when that scale last changed: (time, drive)
+        # and (joules since ``since``, drive). None recorded: (since, 0) and (0, 0).
+        self._scale: dict[str, float] = {}
+        self._time_anchor: dict[str, tuple[float, float]] = {}
+        self._joule_anchor: dict[str, tuple[float, float]] = {}
         self._dev_alloc_base: dict[str, float] = {}
         self._dev_alloc_rates: dict[str, float] = {}
         self._dev_free_base: dict[str, float] = {}
         self._dev_free_rates: dict[str, float] = {}
+        # Per owner: its counters at ``since`` and its split ((GPU, Σ shares), ...) by GPU.
         self._own_alloc_base: dict[_Owner, float] = {}
-        self._own_alloc_rates: dict[_Owner, float] = {}
-        # Energy: counters at ``since`` and their fractions of each GPU's joules from there.
+        self._own_fracs: dict[_Owner, _Split] = {}
+        # Energy: counters at ``since`` (per pair and owner growing by their splits above).
         self._energy_base: dict[_Pair, float] = {}
-        self._energy_rates: dict[_Pair, _Split] = {}
         self._dev_energy_base: dict[str, float] = {}
         self._dev_energy_rates: dict[str, _Split] = {}
         self._dev_unattr_base: dict[str, float] = {}
         self._dev_unattr_rates: dict[str, _Split] = {}
         self._own_energy_base: dict[_Owner, float] = {}
-        self._own_energy_rates: dict[_Owner, _Split] = {}
         # Busy time, changed only by the passes that measure it.
         self._busy: dict[_Pair, float] = {}
         self._dev_busy: dict[str, float] = {}
@@ -402,7 +420,8 @@ class Accountant:
         self._devices: tuple[str, ...] = ()
         self._inventory_gpus: frozenset[str] = frozenset()
         self._index: _Index | None = None
-        self._drive_shown: Mapping[str, float] = {}  # the energy drive of the last result handed out
+        # The joule drives of the last result handed out: (per GPU, per unit of share).
+        self._shown: tuple[Mapping[str, float], Mapping[str, float]] = ({}, {})
 
     def update(
         self,
@@ -447,38 +466,51 @@ class Accountant:
                     self._inputs, self._use_before = inputs, frozenset()
                     return self._publish(*shifted, now, MappingProxyType(dict.fromkeys(self._devices, False)))
         self._inputs = inputs
-        shares, uses, alloc_rates, present, active = self._rates(kernels, snapshot, resolver, capacity, measured, env)
+        shares, uses, present, active = self._rates(kernels, snapshot, resolver, capacity, measured, env)
         inventory = {resolver.label(d) for d in snapshot.devices}
-        devices = inventory | {gpu for _, gpu in alloc_rates}
+        devices = inventory | {gpu for _, gpu in shares}
         owners = {k.kernel_id: _owner(k) for k in kernels}
         # Sums of floats depend on their order: summed in key order, the per-device and per-owner
         # counters are the same whatever order the kernels were read in (the scan's order is
         # the file system's).
-        alloc_rates, raw = dict(sorted(alloc_rates.items())), dict(sorted(raw.items()))
+        raw = dict(sorted(raw.items()))
         step = _Pass(now, tuple(sorted(devices)), busy_measured, again, raw, frozenset(active), mig, owners)
-        self._settle(step, alloc_rates, present)
+        self._settle(step, dict(sorted(shares.items())), present)
         self._devices, self._inventory_gpus, self._index = step.devices, frozenset(inventory), None
         flags = MappingProxyType({gpu: gpu in busy_measured or gpu in again for gpu in step.devices})
         return self._publish(MappingProxyType(shares), MappingProxyType(uses), now, flags)
 
+    def _drives(self, now: float) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+        """As of ``now``: per GPU, the GPU-seconds one unit of share earned since ``since``, the
+        joules the GPU used since then, and the joules one unit of share earned."""
+        since, joules = self._since, self._joules
+        seconds, per_share = {}, {}
+        raw = {gpu: j - self._joules_at_since.get(gpu, 0.0) for gpu, j in joules.items()}
+        for gpu, scale in self._scale.items():
+            t0, d0 = self._time_anchor.get(gpu, (since, 0.0))
+            seconds[gpu] = d0 + scale * (now - t0)
+            j0, e0 = self._joule_anchor.get(gpu, (0.0, 0.0))
+            per_share[gpu] = e0 + scale * (raw.get(gpu, 0.0) - j0)
+        return seconds, raw, per_share
+
     def _publish(self, shares: Mapping, uses: Mapping, now: float, flags: Mapping[str, bool]) -> Accounting:
         since = self._since
-        drive = {gpu: joules - self._joules_at_since.get(gpu, 0.0) for gpu, joules in self._joules.items()}
-        self._drive_shown = drive
+        seconds, drive, per_share = self._drives(now)
+        self._shown = (drive, per_share)
         self._result = Accounting(
             shares=shares,
             kernels=uses,
-            allocated_seconds=_Counters(self._alloc_base, self._alloc_rates, since, now),
+            allocated_seconds=_Driven(self._alloc_base, self._fracs, seconds),
             busy_seconds=MappingProxyType(self._busy),
-            energy_joules=_Driven(self._energy_base, self._energy_rates, drive),
+            energy_joules=_Driven(self._energy_base, self._fracs, per_share),
             device_allocated_seconds=_Counters(self._dev_alloc_base, self._dev_alloc_rates, since, now),
             device_unallocated_seconds=_Counters(self._dev_free_base, self._dev_free_rates, since, now),
             device_busy_seconds=MappingProxyType(self._dev_busy),
             device_energy_joules=_Driven(self._dev_energy_base, self._dev_energy_rates, drive),
             device_unattributed_joules=_Driven(self._dev_unattr_base, self._dev_unattr_rates, drive),
-            owner_allocated_seconds=_Counters(self._own_alloc_base, self._own_alloc_rates, since, now),
+            owner_allocated_seconds=_Driven(self._own_alloc_base, self._own_fracs, seconds),
             owner_busy_seconds=MappingProxyType(self._own_busy),
-            owner_energy_joules=_Driven(self._own_energy_base, self._own_energy_rates, drive),
+            owner_energy_joules=_Driven(self._own_energy_base, self._own_fracs, per_share),
             measured=flags,
         )
         return self._result
@@ -583,7 +615,6 @@ class Accountant:
         """Each kernel's shares and measured use, and the counters' rates from now on."""
         shares: dict[_Pair, float] = {}
         uses: dict[str, KernelUse] = {}
-        alloc_rates: dict[_Pair, float] = {}
         active: list[_Pair] = []
         if env != self._held_env:
             self._held_env, self._held = env, {}
@@ -604,7 +635,7 @@ class Accountant:
                 uses[k.kernel_id] = unmeasured
                 for gpu, share in held_shares:
                     key = (k.kernel_id, gpu)  # one key object for both maps (and the counters)
-                    shares[key] = alloc_rates[key] = share
+                    shares[key] = share
                 continue
             utils, mems = [], []
             for h in held:
@@ -620,42 +651,34 @@ class Accountant:
             uses[k.kernel_id] = KernelUse(_mean(utils), _mean(mems))
             for gpu, share in held_shares:
                 key = (k.kernel_id, gpu)
-                shares[key] = alloc_rates[key] = share
-        # An overcommitted GPU (shares adding up to more than 1) gives each kernel its share of
-        # what there is, so the GPU's ledger balances: share ÷ Σ shares.
-        per_gpu: dict[str, list[float]] = {}
-        for (_, gpu), share in alloc_rates.items():
-            per_gpu.setdefault(gpu, []).append(share)
-        over = {gpu: t for gpu, t in ((gpu, math.fsum(shares)) for gpu, shares in per_gpu.items()) if t > 1.0}
-        if over:
-            for key in alloc_rates:
-                if key[1] in over:
-                    alloc_rates[key] /= over[key[1]]
+                shares[key] = share
         self._held = held_now
-        return shares, uses, alloc_rates, held_now, active
+        return shares, uses, held_now, active
 
     def _shift(self, changed: Mapping[str, Kernel | None], snapshot: TelemetrySnapshot, resolver: DeviceResolver,
                capacity: CapacityConfig, now: float) -> tuple[Mapping, Mapping] | None:
-        """Take the changed kernels' new rates without a settle, for a pass that measures nothing
+        """Take the changed kernels' new shares without a settle, for a pass that measures nothing
         (so the interval since the last pass is split by allocation, as the counters already
-        read). Only the counters whose rate changes move: the changed kernels', their GPUs' and
-        owners', and on an overcommitted GPU (rates = shares ÷ their sum) every pair of that GPU.
-        Each is rebased so that it reads, from now on, its value now plus its new rate's growth
-        (:func:`_rebased`: never less than it read before, so no counter ever goes back by a
-        rounding error). ``since`` stays.
+        read): O(changed kernels), whatever the number of kernels. The changed pairs' and their
+        owners' counters are rebased so that they read, from now on, their value now plus their
+        new split's growth (:func:`_rebased_driven`: never less than they read before, so no
+        counter goes back by a rounding error); a GPU whose Σ shares moves changes its scale from
+        now on (``_time_anchor``, ``_joule_anchor``), which re-rates every pair of an
+        overcommitted GPU without touching them; the device counters take their new rates.
+        ``since`` stays.
 
         Returns the shares and uses to publish, or None, with nothing changed, where a settle is
         needed: a GPU known only from allocations that comes or goes, or a kernel whose owner
         changed (a settle charges the busy time to the owner known now).
         """
         held, owners = dict(self._held), dict(self._owners)
-        changed_shares: dict[_Pair, float] = {}  # pair of a changed kernel -> its share now (0.0: it went)
+        moved: dict[_Pair, float] = {}  # pair of a changed kernel -> its share now (0.0: it went)
         memo: _AllocMemo = {}
         for kid, kernel in changed.items():
             entry = held.pop(kid, None)
             owners.pop(kid, None)
             for gpu, _ in entry[2] if entry is not None else ():
-                changed_shares[(kid, gpu)] = 0.0
+                moved[(kid, gpu)] = 0.0
             if kernel is None:
                 continue
             owner = owners[kid] = _owner(kernel)
@@ -666,146 +689,138 @@ class Accountant:
                 entry = (kernel, parts, tuple(gpu_shares(parts).items()))
             held[kid] = entry
             for gpu, share in entry[2]:
-                changed_shares[(kid, gpu)] = share
-        shown = self._result.shares if self._result is not None else {}
-        changed_shares = {key: share for key, share in changed_shares.items() if shown.get(key) != (share or None)}
+                moved[(kid, gpu)] = share
+        shares0 = self._shares
+        moved = {key: share for key, share in moved.items() if shares0.get(key) != (share or None)}
         by_gpu, by_owner, counted = self._index or self._build_index()
-        gpu_shares_now = {gpu: dict(by_gpu.get(gpu, {})) for gpu in {key[1] for key in changed_shares}}
-        for key, share in changed_shares.items():
-            if share:
-                gpu_shares_now[key[1]][key] = share
-            else:
-                gpu_shares_now[key[1]].pop(key, None)
-        if any(bool(pairs) != bool(by_gpu.get(gpu)) and gpu not in self._inventory_gpus for gpu, pairs in gpu_shares_now.items()):
-            return None  # a GPU known only from allocations came or went: the devices change
-        # The new rates: a changed pair's share, and on a GPU overcommitted before or after, every
-        # pair's share ÷ the GPU's Σ shares (math.fsum, as a settle sums them).
-        rates0 = self._alloc_rates
-        moved: dict[_Pair, float] = {}  # pair -> its rate from now on (0.0: it went)
-        for gpu, pairs in gpu_shares_now.items():
-            total, before = math.fsum(pairs.values()), math.fsum(by_gpu.get(gpu, {}).values())
-            if total > 1.0 or before > 1.0:
-                for key in by_gpu.get(gpu, {}).keys() - pairs.keys():
-                    moved[key] = 0.0
-                moved.update({key: share / total if total > 1.0 else share for key, share in pairs.items()})
-        moved.update((key, share) for key, share in changed_shares.items() if key not in moved)
-        moved = {key: rate for key, rate in moved.items() if rates0.get(key) != (rate or None)}
+        gpu_now = {gpu: dict(by_gpu.get(gpu, {})) for gpu in {key[1] for key in moved}}
         pair_owner = {key: owners.get(key[0]) or self._owners.get(key[0], _NO_OWNER) for key in moved}
-        # Each owner's pairs per GPU: copies of the GPUs that move only.
-        owner_rates_now = {owner: dict(by_owner.get(owner, {})) for owner in set(pair_owner.values())}
+        owner_now = {owner: dict(by_owner.get(owner, {})) for owner in set(pair_owner.values())}
         copied: set[tuple[_Owner, str]] = set()
-        for key, rate in moved.items():
+        for key, share in moved.items():
             owner, gpu = pair_owner[key], key[1]
-            per_gpu = owner_rates_now[owner]
             if (owner, gpu) not in copied:
-                per_gpu[gpu] = dict(per_gpu.get(gpu, {}))
+                owner_now[owner][gpu] = dict(owner_now[owner].get(gpu, {}))
                 copied.add((owner, gpu))
-            pairs = per_gpu[gpu]
-            if rate:
-                pairs[key] = rate
-            else:
-                pairs.pop(key, None)
-        # Committed from here on: the new rates and the rebased counters.
-        gpus = {key[1] for key in moved}
-        d = now - self._since  # as _Counters reads it
-        drive = {gpu: joules - self._joules_at_since.get(gpu, 0.0) for gpu, joules in self._joules.items()}
+            for pairs in (gpu_now[gpu], owner_now[owner][gpu]):
+                if share:
+                    pairs[key] = share
+                else:
+                    pairs.pop(key, None)
+        if any(bool(pairs) != bool(by_gpu.get(gpu)) and gpu not in self._inventory_gpus for gpu, pairs in gpu_now.items()):
+            return None  # a GPU known only from allocations came or went: the devices change
+        # Committed from here on.
+        seconds, drive, per_share = self._drives(now)
         energy_gpus = self._energy_read.keys()
-        started = [key for key, rate in moved.items() if rate]
-        self._alloc_base, self._alloc_rates = _rebased(self._alloc_base, rates0, {k: r or None for k, r in moved.items()}, d,
-                                                       present=started)
+        started = [key for key, share in moved.items() if share]
+        fracs = {key: ((key[1], share),) if share else None for key, share in moved.items()}
+        self._energy_base = _rebased_driven(self._energy_base, self._fracs, fracs, per_share,
+                                            present=[key for key in started if key[1] in energy_gpus])[0]
+        self._alloc_base, self._fracs = _rebased_driven(self._alloc_base, self._fracs, fracs, seconds, present=started)
         counted.update(key[0] for key in started)
-        self._energy_base, self._energy_rates = _rebased_driven(
-            self._energy_base, self._energy_rates, {key: ((key[1], rate),) if rate else None for key, rate in moved.items()},
-            drive, present=[key for key in started if key[1] in energy_gpus])
-        rates1 = self._alloc_rates
-        dev_rates = {gpu: math.fsum(rates1[key] for key in gpu_shares_now.get(gpu, {}) if key in rates1) for gpu in gpus}
-        dev_new = {gpu: (rate if gpu_shares_now.get(gpu) else None) for gpu, rate in dev_rates.items()}
-        free_new = {gpu: max(0.0, 1.0 - rate) for gpu, rate in dev_rates.items() if gpu in self._devices}
-        self._dev_alloc_base, self._dev_alloc_rates = _rebased(self._dev_alloc_base, self._dev_alloc_rates, dev_new, d, present=gpus)
+        self._shares = shares = dict(shares0)
+        for key, share in moved.items():
+            if share:
+                shares[key] = share
+            else:
+                shares.pop(key, None)
+        # Each GPU whose Σ shares moved: its scale from now on, and its device counters' rates.
+        scale, time_anchor, joule_anchor = dict(self._scale), dict(self._time_anchor), dict(self._joule_anchor)
+        dev_new: dict[str, float | None] = {}
+        for gpu, pairs in gpu_now.items():
+            total = math.fsum(pairs.values())
+            if pairs:
+                time_anchor[gpu] = (now, seconds.get(gpu, 0.0))
+                joule_anchor[gpu] = (drive.get(gpu, 0.0), per_share.get(gpu, 0.0))
+                scale[gpu] = 1.0 / total if total > 1.0 else 1.0
+            else:
+                for d in (scale, time_anchor, joule_anchor):
+                    d.pop(gpu, None)
+            dev_new[gpu] = min(total, 1.0) if pairs else None
+        self._scale, self._time_anchor, self._joule_anchor = scale, time_anchor, joule_anchor
+        free_new = {gpu: max(0.0, 1.0 - (rate or 0.0)) for gpu, rate in dev_new.items() if gpu in self._devices}
+        d = now - self._since  # as _Counters reads it
+        self._dev_alloc_base, self._dev_alloc_rates = _rebased(self._dev_alloc_base, self._dev_alloc_rates, dev_new, d,
+                                                               present=gpu_now)
         self._dev_free_base, self._dev_free_rates = _rebased(self._dev_free_base, self._dev_free_rates, free_new, d, present=())
         self._dev_energy_base, self._dev_energy_rates = _rebased_driven(
             self._dev_energy_base, self._dev_energy_rates, {g: ((g, r),) if r is not None else None for g, r in dev_new.items()},
             drive, present=())
         self._dev_unattr_base, self._dev_unattr_rates = _rebased_driven(
             self._dev_unattr_base, self._dev_unattr_rates, {g: ((g, r),) for g, r in free_new.items()}, drive, present=())
-        own_new: dict[_Owner, float | None] = {}
-        split_new: dict[_Owner, _Split | None] = {}
-        for owner, per_gpu in owner_rates_now.items():
-            gpus_held = sorted(gpu for gpu, pairs in per_gpu.items() if pairs)
-            own_new[owner] = math.fsum(chain.from_iterable(per_gpu[gpu].values() for gpu in gpus_held)) if gpus_held else None
-            split_new[owner] = tuple((gpu, math.fsum(per_gpu[gpu].values())) for gpu in gpus_held) or None
-        self._own_alloc_base, self._own_alloc_rates = _rebased(self._own_alloc_base, self._own_alloc_rates, own_new, d,
-                                                               present=[o for o, r in own_new.items() if r is not None])
-        self._own_energy_base, self._own_energy_rates = _rebased_driven(
-            self._own_energy_base, self._own_energy_rates, split_new, drive,
-            present=[o for o, split in split_new.items() if split and not energy_gpus.isdisjoint(g for g, _ in split)])
-        by_gpu.update(gpu_shares_now)
-        by_owner.update(owner_rates_now)
+        # Each owner of a moved pair: its split by GPU from now on.
+        own_new = {owner: tuple((gpu, math.fsum(per_gpu[gpu].values())) for gpu in sorted(per_gpu) if per_gpu[gpu]) or None
+                   for owner, per_gpu in owner_now.items()}
+        self._own_energy_base = _rebased_driven(
+            self._own_energy_base, self._own_fracs, own_new, per_share,
+            present=[o for o, split in own_new.items() if split and not energy_gpus.isdisjoint(g for g, _ in split)])[0]
+        self._own_alloc_base, self._own_fracs = _rebased_driven(self._own_alloc_base, self._own_fracs, own_new, seconds,
+                                                                present=[o for o, split in own_new.items() if split])
+        by_gpu.update(gpu_now)
+        by_owner.update(owner_now)
         for kid in changed:  # as a settle does: a kernel that went keeps its counters for the retention
             if kid in held:
                 self._ended.pop(kid, None)
             elif kid in counted:
                 self._ended.setdefault(kid, now)
         self._held, self._owners = held, owners
-        shares, uses = dict(shown), dict(self._result.kernels)
-        for key, share in changed_shares.items():
-            if share:
-                shares[key] = share
-            else:
-                shares.pop(key, None)
+        uses = dict(self._result.kernels)
         unmeasured = KernelUse(None, None)
         for kid in changed:
             if kid in held and held[kid][1]:
                 uses[kid] = unmeasured
             else:
                 uses.pop(kid, None)
-        return MappingProxyType(shares), MappingProxyType(uses)
+        return MappingProxyType(shares), MappingProxyType(uses)  # never changed once handed out
 
     def _build_index(self) -> _Index:
         by_gpu: dict[str, dict[_Pair, float]] = {}
         by_owner: dict[_Owner, dict[str, dict[_Pair, float]]] = {}
-        shares = self._result.shares if self._result is not None else {}
-        for key, rate in self._alloc_rates.items():
-            by_gpu.setdefault(key[1], {})[key] = shares[key]
-            by_owner.setdefault(self._owners.get(key[0], _NO_OWNER), {}).setdefault(key[1], {})[key] = rate
+        for key, share in self._shares.items():
+            by_gpu.setdefault(key[1], {})[key] = share
+            by_owner.setdefault(self._owners.get(key[0], _NO_OWNER), {}).setdefault(key[1], {})[key] = share
         self._index = (by_gpu, by_owner, {key[0] for key in self._alloc_base})
         return self._index
 
-    def _weights(self, step: _Pass, dt: float, busy: Mapping[_Pair, float]) -> dict[str, dict[_Pair, float]]:
-        """Per GPU, each kernel's fraction of the energy of the interval that ends now (``busy``:
-        the busy GPU-seconds charged this pass)."""
-        by_gpu: dict[str, dict[_Pair, float]] = {}
-        for key, rate in self._alloc_rates.items():
-            by_gpu.setdefault(key[1], {})[key] = rate
+    def _use_weights(self, step: _Pass, dt: float, busy: Mapping[_Pair, float]) -> dict[str, dict[_Pair, float]]:
+        """Per GPU whose energy of the interval that ends now is split by use, each kernel's
+        fraction of it (``busy``: the busy GPU-seconds charged this pass). The other GPUs' energy
+        is split by allocation, as their counters grew."""
         if self._split == "allocation" or dt <= 0:
-            return by_gpu
+            return {}
         before = self._use_before  # both ends of the interval must have measured use
+        by_gpu: dict[str, dict[_Pair, float]] = {}
+        for key, share in self._shares.items():
+            gpu = key[1]
+            if gpu in before and (gpu in step.busy_measured or gpu in step.mig):
+                by_gpu.setdefault(gpu, {})[key] = share * self._scale.get(gpu, 1.0)
+        out = {}
         for gpu, alloc in by_gpu.items():
-            if gpu in step.busy_measured and gpu in before:
+            if gpu in step.busy_measured:
                 activity = {key: busy.get(key, 0.0) for key in alloc}
-            elif gpu in step.mig and gpu in before:  # no per-process counter: the instances running a process
+            else:  # MIG, no per-process counter: the instances running a process
                 activity = {key: rate if key in step.active else 0.0 for key, rate in alloc.items()}
-            else:
-                continue
             # By use: the allocated part of the energy follows each kernel's part of the activity
             # (none where nothing was active); the unallocated part stays unattributed.
             total, held = sum(activity.values()), sum(alloc.values())
             use = {key: held * a / total if total > 0 else 0.0 for key, a in activity.items()}
             weights = use if self._split == "use" else {key: max(rate, use[key]) for key, rate in alloc.items()}
             total = sum(weights.values())
-            by_gpu[gpu] = {key: w / total for key, w in weights.items()} if total > 1.0 else weights
-        return by_gpu
+            out[gpu] = {key: w / total for key, w in weights.items()} if total > 1.0 else weights
+        return out
 
-    def _settle(self, step: _Pass, alloc_rates: dict, present: Mapping[str, object]) -> None:
-        """Bring every counter to ``now`` at the old rates (energy at this interval's split, busy
-        time where measured), then take the new rates (new dicts: results already handed out
-        keep reading theirs)."""
+    def _settle(self, step: _Pass, shares: dict[_Pair, float], present: Mapping[str, object]) -> None:
+        """Bring every counter to ``now`` as it grew (energy at this interval's split, busy time
+        where measured), then take the new shares and scales (new dicts: results already handed
+        out keep reading theirs)."""
         now = step.now
         dt = max(0.0, now - self._since) if self._settled else 0.0
-        alloc = _grown(self._alloc_base, self._alloc_rates, dt)
+        seconds, joules, per_share = self._drives(now)
+        fracs, own_fracs = self._fracs, self._own_fracs
+        alloc = {key: _driven_value(value, fracs.get(key, ()), seconds) for key, value in self._alloc_base.items()}
         dev_alloc = _grown(self._dev_alloc_base, self._dev_alloc_rates, dt)
         dev_free = _grown(self._dev_free_base, self._dev_free_rates, dt)
-        own_alloc = _grown(self._own_alloc_base, self._own_alloc_rates, dt)
+        own_alloc = {o: _driven_value(value, own_fracs.get(o, ()), seconds) for o, value in self._own_alloc_base.items()}
         # Busy time: the kernel's processes' busy seconds (at most the time since the GPU's last
         # measurement) × the share it held, i.e. at most the GPU-seconds it held since then.
         busy, dev_busy, own_busy = dict(self._busy), dict(self._dev_busy), dict(self._own_busy)
@@ -813,7 +828,7 @@ class Accountant:
         measured = step.busy_measured
         # The owner of a measured busy interval: as known now (an identity read late still claims
         # the busy time before it), else as known at its start (a kernel that ended). Allocated time
-        # and energy grow between passes at the rates of the owners known at the interval's start
+        # and energy grow between passes by the splits of the owners known at the interval's start
         # (what the counters read meanwhile), so they stay with those owners: a settle that moved
         # them would take back what an owner's counter already showed.
         now_owners, old_owners = step.owners, self._owners
@@ -828,7 +843,8 @@ class Accountant:
         if measured:
             for key, value in step.raw_busy.items():
                 if key in alloc and key[1] in measured:
-                    c = charged[key] = max(0.0, min(value * self._alloc_rates.get(key, 0.0), alloc[key] - mark.get(key, 0.0)))
+                    rate = self._shares.get(key, 0.0) * self._scale.get(key[1], 1.0)
+                    c = charged[key] = max(0.0, min(value * rate, alloc[key] - mark.get(key, 0.0)))
                     busy[key] = busy.get(key, 0.0) + c
                     dev_busy[key[1]] = dev_busy.get(key[1], 0.0) + c
                     owner = owner_of(key[0])
@@ -838,26 +854,41 @@ class Accountant:
                     mark[key] = alloc[key]
         energy, dev_energy = dict(self._energy_base), dict(self._dev_energy_base)
         dev_unattr, own_energy = dict(self._dev_unattr_base), dict(self._own_energy_base)
-        joules = {gpu: j - self._joules_at_since.get(gpu, 0.0) for gpu, j in self._joules.items()}
-        weights = self._weights(step, dt, charged)
-        for gpu, used_j in joules.items():
-            charged = 0.0
+        by_use = self._use_weights(step, dt, charged)
+        # Split by use where both ends of the interval measured it: each kernel's part of the
+        # joules the GPU used.
+        for gpu, weights in by_use.items():
+            used_j, total = joules.get(gpu, 0.0), 0.0
             if used_j:
-                for key, w in weights.get(gpu, {}).items():
+                for key, w in weights.items():
                     e = used_j * w
-                    charged += e
+                    total += e
                     energy[key] = energy.get(key, 0.0) + e
                     owner = start_owner_of(key[0])
                     own_energy[owner] = own_energy.get(owner, 0.0) + e
-            dev_energy[gpu] = dev_energy.get(gpu, 0.0) + charged
-            dev_unattr[gpu] = dev_unattr.get(gpu, 0.0) + max(0.0, used_j - charged)
-        # Per owner and device these are sums of the pairs' shares, in another order than the
+            dev_energy[gpu] = dev_energy.get(gpu, 0.0) + total
+            dev_unattr[gpu] = dev_unattr.get(gpu, 0.0) + max(0.0, used_j - total)
+        # Elsewhere by allocation, as every counter grew meanwhile (by the very formulas they read,
+        # whatever shifts re-split them within the interval).
+        for key, value in self._energy_base.items():
+            if key[1] not in by_use:
+                energy[key] = _driven_value(value, fracs.get(key, ()), per_share)
+        for owner, value in self._own_energy_base.items():
+            split = tuple((g, f) for g, f in own_fracs.get(owner, ()) if g not in by_use)
+            own_energy[owner] += _driven_value(value, split, per_share) - value
+        for settled, base, splits in ((dev_energy, self._dev_energy_base, self._dev_energy_rates),
+                                      (dev_unattr, self._dev_unattr_base, self._dev_unattr_rates)):
+            for gpu, value in base.items():
+                if gpu not in by_use:
+                    settled[gpu] = _driven_value(value, splits.get(gpu, ()), joules)
+        # Per owner and device these are sums of the pairs' parts, in another order than the
         # counters summed them while they grew: never below what they read (by a rounding error).
-        for settled, base, rates in ((own_energy, self._own_energy_base, self._own_energy_rates),
-                                     (dev_energy, self._dev_energy_base, self._dev_energy_rates),
-                                     (dev_unattr, self._dev_unattr_base, self._dev_unattr_rates)):
+        shown_joules, shown_per_share = self._shown
+        for settled, base, splits, drive in ((own_energy, self._own_energy_base, own_fracs, shown_per_share),
+                                             (dev_energy, self._dev_energy_base, self._dev_energy_rates, shown_joules),
+                                             (dev_unattr, self._dev_unattr_base, self._dev_unattr_rates, shown_joules)):
             for key, value in base.items():
-                shown = _driven_value(value, rates.get(key, ()), self._drive_shown)
+                shown = _driven_value(value, splits.get(key, ()), drive)
                 if settled[key] < shown:
                     settled[key] = shown
         # Counters of kernels that went away stay for the retention period, then go.
@@ -875,7 +906,7 @@ class Accountant:
         # Pairs and GPUs present now start their counters at 0, so the series exist from the
         # first pass; energy and busy only where measured (no sample where not, never 0).
         energy_gpus = self._energy_read.keys()
-        for key in alloc_rates:
+        for key in shares:
             alloc.setdefault(key, 0.0)
             if key[1] in energy_gpus:
                 energy.setdefault(key, 0.0)
@@ -890,37 +921,38 @@ class Accountant:
                 dev_unattr.setdefault(gpu, 0.0)
             if gpu in measured:
                 dev_busy.setdefault(gpu, 0.0)
-        # The new rates: time, and energy split by allocation (what counters read until the next
-        # pass settles them; a pass that measures use settles its interval by use).
-        # Sums by math.fsum, exactly rounded: the same whatever the order of their terms, so a
-        # shift that adds one GPU's or one owner's rates anew gets what a settle gets.
+        # From now on: each pair grows by its share of its GPU's unit drive, each owner by its
+        # shares per GPU, each GPU's allocated counter at min(Σ shares, 1). Sums by math.fsum,
+        # exactly rounded: the same whatever the order of their terms, so a shift that sums one
+        # GPU's or one owner's shares anew gets what a settle gets.
         per_gpu: dict[str, list[float]] = {}
         per_owner: dict[_Owner, dict[str, list[float]]] = {}
-        energy_rates: dict[_Pair, _Split] = {}
-        for key, rate in alloc_rates.items():
+        new_fracs: dict[_Pair, _Split] = {}
+        for key, share in shares.items():
             gpu, owner = key[1], step.owners.get(key[0], _NO_OWNER)
-            per_gpu.setdefault(gpu, []).append(rate)
-            per_owner.setdefault(owner, {}).setdefault(gpu, []).append(rate)
-            energy_rates[key] = ((gpu, rate),)
-        dev_rates = {gpu: math.fsum(rates) for gpu, rates in per_gpu.items()}
-        own_rates = {owner: math.fsum(r for rates in split.values() for r in rates) for owner, split in per_owner.items()}
-        own_split = {owner: {gpu: math.fsum(split[gpu]) for gpu in sorted(split)} for owner, split in per_owner.items()}
-        for owner, split in own_split.items():
+            per_gpu.setdefault(gpu, []).append(share)
+            per_owner.setdefault(owner, {}).setdefault(gpu, []).append(share)
+            new_fracs[key] = ((gpu, share),)
+        totals = {gpu: math.fsum(values) for gpu, values in per_gpu.items()}
+        dev_rates = {gpu: min(total, 1.0) for gpu, total in totals.items()}
+        new_own = {owner: tuple((gpu, math.fsum(split[gpu])) for gpu in sorted(split)) for owner, split in per_owner.items()}
+        for owner, split in new_own.items():
             own_alloc.setdefault(owner, 0.0)
-            if not energy_gpus.isdisjoint(split):
+            if not energy_gpus.isdisjoint(g for g, _ in split):
                 own_energy.setdefault(owner, 0.0)
-            if not measured.isdisjoint(split):
+            if not measured.isdisjoint(g for g, _ in split):
                 own_busy.setdefault(owner, 0.0)
         free_rates = {gpu: max(0.0, 1.0 - dev_rates.get(gpu, 0.0)) for gpu in step.devices}
-        self._alloc_base, self._alloc_rates = alloc, alloc_rates
+        self._alloc_base, self._shares, self._fracs = alloc, shares, new_fracs
+        self._scale = {gpu: 1.0 / total if total > 1.0 else 1.0 for gpu, total in totals.items()}
+        self._time_anchor, self._joule_anchor = {}, {}
         self._dev_alloc_base, self._dev_alloc_rates = dev_alloc, dev_rates
         self._dev_free_base, self._dev_free_rates = dev_free, free_rates
-        self._own_alloc_base, self._own_alloc_rates = own_alloc, own_rates
-        self._energy_base, self._energy_rates = energy, energy_rates
+        self._own_alloc_base, self._own_fracs = own_alloc, new_own
+        self._energy_base = energy
         self._dev_energy_base, self._dev_energy_rates = dev_energy, {g: ((g, r),) for g, r in dev_rates.items()}
         self._dev_unattr_base, self._dev_unattr_rates = dev_unattr, {g: ((g, r),) for g, r in free_rates.items()}
         self._own_energy_base = own_energy
-        self._own_energy_rates = {owner: tuple(split.items()) for owner, split in own_split.items()}
         self._busy, self._dev_busy, self._own_busy = busy, dev_busy, own_busy
         self._owners = step.owners
         self._use_before = measured | step.busy_again | step.mig

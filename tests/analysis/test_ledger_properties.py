@@ -485,7 +485,7 @@ def test_a_pass_that_moves_only_the_changed_kernels_equals_a_settle(seed: int, s
             assert ours.keys() == theirs.keys(), name
             assert all(close(ours[k], theirs[k]) for k in ours), name
         assert dict(a.shares) == dict(b.shares) and dict(a.kernels) == dict(b.kernels) and dict(a.measured) == dict(b.measured)
-        assert told._alloc_rates.keys() == walked._alloc_rates.keys()
+        assert told._fracs.keys() == walked._fracs.keys()
         if before is not None:
             for name in COUNTER_FIELDS:
                 old, new = dict(getattr(before[0], name).items()), dict(getattr(a, name).items())
