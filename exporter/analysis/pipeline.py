@@ -57,7 +57,7 @@ __all__ = ["STALE_CHECK_SECONDS", "AnalysisPipeline", "PipelineConfig", "analyse
 
 log = logging.getLogger(__name__)
 
-# Staleness moves on a scale of minutes: re-judged on a kernel change, else every this many seconds.
+# Staleness moves on a scale of minutes: a changed kernel is judged at once, every kernel every this many seconds.
 STALE_CHECK_SECONDS = 30.0
 _LOG_KERNELS = 5  # kernels named in one stale-change log line; the rest are counted
 _JUDGED_APART = 256  # past this many changed kernels, judging every kernel costs less than the merge
@@ -473,7 +473,9 @@ class AnalysisPipeline:
             self._judged = (view.version, now)
             return cgroups, verdicts, None
         self._judged = (view.version, at)  # the time of the last full judgement
-        liveness = {kid: v for kid, v in before.items() if kid not in changed}
+        liveness = dict(before)  # a copy in C, then the changed kernels' verdicts
+        for kid in changed:
+            liveness.pop(kid, None)
         liveness.update(verdicts)
         known, stale = self._stale
         if known is before:  # keep the stale verdicts filtered: only the judged ones can move
