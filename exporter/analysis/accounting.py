@@ -195,19 +195,13 @@ class _Driven(Mapping):
     def __getitem__(self, key: Hashable) -> float:
         return self._value(key, self._base[key])
 
-    def items(self):  # every value in one loop (a render reads them all); one-GPU splits inline
-        if not any(self._drive.values()):
+    def items(self):  # every value in one comprehension (a render reads them all); one-GPU splits inline
+        drive = self._drive
+        if not any(drive.values()):
             return list(self._base.items())
-        rates, drive, value = self._rates, self._drive, self._value
-        out = []
-        for key, base in self._base.items():
-            split = rates.get(key, ())
-            if len(split) == 1:
-                gpu, fraction = split[0]
-                out.append((key, base + fraction * drive.get(gpu, 0.0)))
-            else:
-                out.append((key, value(key, base)))
-        return out
+        get, value, on = self._rates.get, self._value, drive.get
+        return [(key, base + s[0][1] * on(s[0][0], 0.0) if len(s := get(key, ())) == 1 else value(key, base))
+                for key, base in self._base.items()]
 
     def __iter__(self):
         return iter(self._base)
