@@ -48,9 +48,9 @@ def measure(changes: int, passes: int, kernels: int) -> dict:
     current: list[str | None] = [None]
     refresh, allocation_pass = Scanner.refresh, AnalysisPipeline._allocation_pass
 
-    def timed_refresh(self, root, kernel_id, closed=False):
+    def timed_refresh(self, root, kernel_id, *args, **kwargs):
         marks.setdefault(kernel_id, {}).setdefault("refresh0", time.perf_counter())
-        out = refresh(self, root, kernel_id, closed=closed)
+        out = refresh(self, root, kernel_id, *args, **kwargs)
         marks[kernel_id]["refresh1"] = time.perf_counter()
         return out
 

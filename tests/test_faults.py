@@ -137,10 +137,10 @@ def test_inotify_queue_overflow_is_survived_and_repaired(tmp_path: Path) -> None
     def start_with_a_tiny_queue(exporter: Exporter) -> None:
         real_refresh = exporter.scanner.refresh
 
-        def stalling(r, kid, closed=False):
+        def stalling(r, kid, closed=False, identity=False):
             if kid == "stall":
                 release.wait(10)
-            real_refresh(r, kid, closed)
+            real_refresh(r, kid, closed, identity)
 
         exporter.scanner.refresh = stalling
         limit.write_text("16\n")

@@ -283,9 +283,11 @@ class AllocationBook:
     def version(self) -> int:
         return self._version
 
-    def apply(self, kernel_id: str, scratch_root: str, outcome: Outcome) -> Kernel | None:
+    def apply(self, kernel_id: str, scratch_root: str, outcome: Outcome, identity: Identity | None = None) -> Kernel | None:
         """Record the outcome of reading one kernel's file.
 
+        :param identity: who the kernel belongs to, read with it: a kernel new to the book enters
+            with its owner in one version, so no pass sees it without one.
         :returns: the new :class:`Kernel` if its state, reason or allocation changed, else None
             (so callers log a bad file once, not on every rescan).
         """
@@ -299,10 +301,12 @@ class AllocationBook:
             else:
                 state, reason = KernelState.INVALID, str(outcome)
                 self._errors_total += 1
-            if old and (old.state, old.reason, old.spec, old.scratch_root) == (state, reason, spec, scratch_root):
+            if identity is None and old is not None:
+                identity = old.identity
+            if old and (old.state, old.reason, old.spec, old.scratch_root, old.identity) == (state, reason, spec, scratch_root, identity):
                 return None
             since = old.since if old and old.state is state else self._clock()
-            new = Kernel(kernel_id, scratch_root, state, spec, reason, since, old.identity if old else None)
+            new = Kernel(kernel_id, scratch_root, state, spec, reason, since, identity)
             self._swap(old, new)
             return new
 

@@ -307,20 +307,31 @@ class Scanner:
         # older read from landing after a newer one. Reentrant: a forced scan holds it throughout.
         self._lock = threading.RLock()
 
-    def refresh(self, root: str, kernel_id: str, closed: bool = False) -> None:
+    def refresh(self, root: str, kernel_id: str, closed: bool = False, identity: bool = False) -> None:
         """Re-read one kernel (or forget it if its directory is gone).
 
         :param closed: the writer has just closed the file (``IN_CLOSE_WRITE``).
+        :param identity: read its recovery.json too, and land both as one change (the two files'
+            events came together: no pass sees the new allocation under the old owner).
         """
         with self._lock:
-            now, read = self._clock(), self._read(root, kernel_id, _RESOURCE)
-            changed = self._land(root, kernel_id, now, read, _read_signature(read, root, kernel_id, _RESOURCE), closed)
+            now = self._clock()
+            names = (_RESOURCE, RECOVERY_FILE) if identity else (_RESOURCE,)
+            read, *identity_read = _read_config(root, kernel_id, self._files(*names))
+            sig = _read_signature(read, root, kernel_id, _RESOURCE)
+            changed = self._land(root, kernel_id, now, read, sig, closed, *identity_read)
         _log_invalid(kernel_id, changed)
 
-    def _land(self, root: str, kernel_id: str, now: float, read: _Read, sig: _Signature | None, closed: bool) -> Kernel | None:
+    def _land(
+        self, root: str, kernel_id: str, now: float, read: _Read, sig: _Signature | None, closed: bool, identity_read: _Read | None = None
+    ) -> Kernel | None:
         """Parse one read of a kernel's resource.txt into the book (the caller holds the lock).
 
         :param now: unix time just before the read (a file older than the settle time is closed).
+        :param identity_read: the kernel's recovery.json, where the caller read it already (a torn
+            or missing one keeps the last identity). A kernel new to the book enters it with its
+            identity, read here otherwise: a usage pass between the two would give its first
+            seconds to no owner.
         :returns: the kernel if it changed (or None, also when it is gone).
         """
         self._seen[kernel_id] = sig
@@ -334,7 +345,10 @@ class Scanner:
             if self.book.remove(kernel_id):
                 log.debug("kernel %s removed", kernel_id)
             return None
-        return self.book.apply(kernel_id, root, outcome)
+        if identity_read is None and not self.book.holds(kernel_id, root):
+            identity_read = self._read(root, kernel_id, RECOVERY_FILE)
+        identity = None if identity_read is None else self._identity(root, kernel_id, identity_read)
+        return self.book.apply(kernel_id, root, outcome, identity)
 
     def forget(self, kernel_ids: Sequence[str]) -> None:
         """Forget kernels whose directories are gone, as one change of the book."""
@@ -352,18 +366,22 @@ class Scanner:
         :class:`Kernel` object, same book version); a torn or ``{}`` file keeps the last identity.
         """
         with self._lock:
-            read = self._read(root, kernel_id, RECOVERY_FILE)
-            self._land_identity(root, kernel_id, read, _read_signature(read, root, kernel_id, RECOVERY_FILE))
+            self._land_identity(root, kernel_id, self._read(root, kernel_id, RECOVERY_FILE))
 
-    def _land_identity(self, root: str, kernel_id: str, read: _Read, sig: _Signature | None) -> None:
+    def _land_identity(self, root: str, kernel_id: str, read: _Read) -> None:
         """Parse one read of a kernel's recovery.json into the book (the caller holds the lock)."""
-        if sig is None:
-            return  # no file
+        if (identity := self._identity(root, kernel_id, read)) is not None:
+            self.book.set_identity(kernel_id, identity)
+
+    def _identity(self, root: str, kernel_id: str, read: _Read) -> Identity | None:
+        """Parse one read of a kernel's recovery.json (None: no file, or a torn one) and remember
+        its signature (the caller holds the lock)."""
+        if (sig := _read_signature(read, root, kernel_id, RECOVERY_FILE)) is None:
+            return None  # no file
         identity = read_identity(root, kernel_id, read=read)
         # Remember the signature only of a file that parsed: a torn one is read again later.
         self._seen_identity[kernel_id] = sig if identity is not None else None
-        if identity is not None:
-            self.book.set_identity(kernel_id, identity)
+        return identity
 
     def apply_label_identity(self, kernel_id: str, identity: Identity) -> None:
         """Give a kernel the identity its container's Docker labels state (opt-in, agents before
@@ -439,8 +457,7 @@ class Scanner:
             for batch, reads in read_batches(lambda kernel_id: _read_config(root, kernel_id, both, root_fd), kernels, _SCAN_BATCH):
                 for kernel_id, (resource, identity) in zip(batch, reads, strict=True):
                     sig = _read_signature(resource, root, kernel_id, _RESOURCE)
-                    _log_invalid(kernel_id, self._land(root, kernel_id, now, resource, sig, False))
-                    self._land_identity(root, kernel_id, identity, _read_signature(identity, root, kernel_id, RECOVERY_FILE))
+                    _log_invalid(kernel_id, self._land(root, kernel_id, now, resource, sig, False, identity))
 
 
 @contextmanager

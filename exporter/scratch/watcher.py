@@ -540,8 +540,8 @@ class ScratchWatcher:
                         continue
                     todo = _READ | _IDENTITY  # another directory of that name since: read it anew
                 if todo & _READ:
-                    self.scanner.refresh(root, kernel_id, closed=bool(todo & _CLOSED))
-                if todo & _IDENTITY:
+                    self.scanner.refresh(root, kernel_id, closed=bool(todo & _CLOSED), identity=bool(todo & _IDENTITY))
+                elif todo & _IDENTITY:
                     self.scanner.refresh_identity(root, kernel_id)
                 if todo & _WENT:  # a directory moved away whose watch still reported: unless read back
                     self._drop_kernel(root, kernel_id)

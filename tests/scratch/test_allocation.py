@@ -341,6 +341,34 @@ def test_a_forced_scan_signs_files_by_their_reads_and_a_rescan_reads_only_change
     assert book.view().kernels[kids[1]].identity.session_id == "22222222-0000-4000-8000-000000000001"
 
 
+def test_a_new_kernel_enters_the_book_with_its_owner_in_one_version(tmp_path: Path) -> None:
+    """A kernel whose recovery.json is there when its resource.txt is read enters the book with its
+    identity: no version (and so no analysis pass) sees it without an owner."""
+    kid = _uuid_kernel(tmp_path, 1, "0.25", identity=True)
+    book = AllocationBook()
+    scanner = Scanner(book)
+
+    def session() -> str:
+        return book.view().kernels[kid].identity.session_id
+
+    scanner.refresh(str(tmp_path), kid)
+    assert book.version == 1 and session() == "11111111-0000-4000-8000-000000000001"
+    scanner.refresh_identity(str(tmp_path), kid)  # its event, after: the same file changes nothing
+    scanner.scan(str(tmp_path), force=False)  # nor does a rescan: its signature was taken
+    assert book.version == 1
+    write_recovery(tmp_path, kid, "22222222-0000-4000-8000-000000000001", None)
+    scanner.refresh(str(tmp_path), kid)  # a known kernel's resource.txt read: its identity is its event's
+    assert book.version == 1
+    scanner.refresh_identity(str(tmp_path), kid)
+    assert book.version == 2 and session() == "22222222-0000-4000-8000-000000000001"
+    # Both files rewritten, their events in one read: one change, the new allocation with its owner.
+    write_recovery(tmp_path, kid, "33333333-0000-4000-8000-000000000001", None)
+    (tmp_path / kid / "config/resource.txt").write_text((tmp_path / kid / "config/resource.txt").read_text().replace("0.25", "0.5"))
+    scanner.refresh(str(tmp_path), kid, identity=True)
+    assert book.version == 3 and session() == "33333333-0000-4000-8000-000000000001"
+    assert book.view().alloc_map == {"GPU-a": "0.5"}
+
+
 def test_a_file_that_cannot_be_read_is_not_read_again_by_a_rescan(tmp_path: Path, monkeypatch) -> None:
     (tmp_path / "outside.txt").write_text(GOOD)
     (tmp_path / "root/k1/config").mkdir(parents=True)
@@ -380,8 +408,8 @@ def test_an_event_during_a_scan_never_lands_before_the_scans_older_read(tmp_path
 
     applied = []  # (thread, the amount applied)
     real_apply = book.apply
-    book.apply = lambda kid, root, outcome: applied.append(
-        (threading.current_thread().name, outcome.allocations[0].amount)) or real_apply(kid, root, outcome)
+    book.apply = lambda kid, root, outcome, *identity: applied.append(
+        (threading.current_thread().name, outcome.allocations[0].amount)) or real_apply(kid, root, outcome, *identity)
     scanner = RewriteDuringTheBatch(book)
     scanner.scan(str(tmp_path))
     scanner.event.join(5)

@@ -37,9 +37,9 @@ class CountingScanner(Scanner):
         super().__init__(book)
         self.reads = 0
 
-    def refresh(self, root: str, kernel_id: str, closed: bool = False) -> None:
+    def refresh(self, root: str, kernel_id: str, closed: bool = False, identity: bool = False) -> None:
         self.reads += 1
-        super().refresh(root, kernel_id, closed)
+        super().refresh(root, kernel_id, closed, identity)
 
 
 def test_new_kernel_appears_and_removed_kernel_disappears(watched) -> None:
@@ -122,10 +122,10 @@ def test_overflow_triggers_a_rescan(tmp_path: Path) -> None:
     release = threading.Event()
 
     class Stalling(Scanner):
-        def refresh(self, root, kernel_id, closed=False):
+        def refresh(self, root, kernel_id, closed=False, identity=False):
             if kernel_id == "stall":
                 release.wait(10)
-            super().refresh(root, kernel_id, closed)
+            super().refresh(root, kernel_id, closed, identity)
 
     watcher = ScratchWatcher(Stalling(book), [str(tmp_path)], rescan_interval=3600)
     try:
@@ -178,10 +178,10 @@ def test_a_handler_error_is_counted_and_the_watcher_keeps_running(tmp_path: Path
     class Flaky(Scanner):
         fail = True
 
-        def refresh(self, root, kernel_id, closed=False):
+        def refresh(self, root, kernel_id, closed=False, identity=False):
             if self.fail and kernel_id == "bad":
                 raise RuntimeError("boom")
-            super().refresh(root, kernel_id, closed)
+            super().refresh(root, kernel_id, closed, identity)
 
     with ScratchWatcher(Flaky(book), [str(tmp_path)], rescan_interval=3600) as watcher:
         (tmp_path / "bad").mkdir()
@@ -330,10 +330,12 @@ class _ThreadReads(Scanner):
         self.mine: list[tuple] = []
         self._me = threading.current_thread()
 
-    def refresh(self, root: str, kernel_id: str, closed: bool = False) -> None:
+    def refresh(self, root: str, kernel_id: str, closed: bool = False, identity: bool = False) -> None:
         if threading.current_thread() is self._me:
             self.mine.append(("read", kernel_id, closed))
-        super().refresh(root, kernel_id, closed)
+            if identity:
+                self.mine.append(("identity", kernel_id))
+        super().refresh(root, kernel_id, closed, identity)
 
     def refresh_identity(self, root: str, kernel_id: str) -> None:
         if threading.current_thread() is self._me:
