@@ -180,7 +180,7 @@ class Exporter:
         self.exposition = _Exposition(inputs, dict(config.collectors), clock, s.web_openmetrics_created)
         self.routes = Routes(Served(self.book.view, lambda: self.pipeline.current, self.exposition.render,
                                     self.exposition.render_cached, self._ready.is_set, self.watcher.status,
-                                    tuple(self.layout.roots), s.alloc_map_format))
+                                    tuple(self.layout.roots), s.alloc_map_format, lambda: self.book.version))
 
     @property
     def collector(self) -> ExporterCollector:

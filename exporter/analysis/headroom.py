@@ -237,7 +237,7 @@ def count_fits(
         # free space modulo the request: no need to replay it request by request.
         per_device = [math.floor(d.free / amount) if d.free >= amount else 0 for d in current]
         placed = min(sum(per_device), limit)
-        current = [replace(d, allocated=d.allocated + k * amount) for d, k in zip(current, per_device, strict=True)]
+        current = [replace(d, allocated=d.allocated + k * amount) if k else d for d, k in zip(current, per_device, strict=True)]
     while placed < limit:
         result = place(current, request, policy, quantum=quantum, rule=rule, affinity=affinity)
         if isinstance(result, Rejection):

@@ -547,13 +547,16 @@ def _equal_parts(
     wanted = round_down(amount, quantum)
     if wanted <= 0:
         return Rejection("below-quantum", f"{amount} rounds down to 0 with quantum {quantum}")
-    for count in range(1, len(devices) + 1):
+    frees = [(d, d.free) for d in devices]
+    # A part is at least one quantum: no more parts than devices that hold one (on a full node, none).
+    holders = sum(1 for _, free in frees if free >= quantum)
+    for count in range(1, holders + 1):
         part = round_down(wanted / count, quantum)
         if part <= 0:
             break
         bigger = int((wanted - part * count) / quantum)
         largest = part + quantum if bigger else part
-        eligible = [d for d in devices if d.free >= largest]
+        eligible = [d for d, free in frees if free >= largest]
         if len(eligible) >= count:
             chosen, note = choose(eligible, count, links)
             amounts = {d.device_id: part + quantum if i < bigger else part for i, d in enumerate(chosen)}

@@ -7,7 +7,8 @@ model and the rendered exposition; none computes analysis or reaches back into t
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import dataclasses
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
@@ -39,6 +40,8 @@ class Served:
     :param watcher: the scratch watcher's status (``/-/healthy``).
     :param roots: the scratch roots, as ``/api/v1/state`` names them.
     :param alloc_map_format: what ``/api/v1/alloc-map`` answers without ``?format=``.
+    :param version: the allocation book's version (cheap, unlike :attr:`view` after a change);
+        None: read from the view.
     """
 
     view: Callable[[], AllocationView]
@@ -49,6 +52,52 @@ class Served:
     watcher: Callable[[], WatcherStatus]
     roots: tuple[str, ...] = ()
     alloc_map_format: str = "absolute"
+    version: Callable[[], int] | None = None
+
+    def book_version(self) -> int:
+        return self.version() if self.version is not None else self.view().version
+
+
+# Answers kept per route for one published state: enough for every question a node's clients ask
+# (a few agents, dashboards, the idle checker), bounded against a client that varies its query.
+_ANSWERS_KEPT = 64
+
+
+class _Answers:
+    """An offloaded route's answers for the state they were computed from (``basis``: a version
+    that moves whenever that state is replaced): the same question asked again before it moves is
+    answered on the serving loop from these bytes, not by the worker pool. A client polling the
+    API so costs the exporter ~nothing between changes, and takes no time from the analysis
+    thread when one lands.
+
+    :param handler: computes the answer (on the worker pool).
+    :param basis: the version the answer will be computed from, read before ``handler`` reads
+        the state: an answer is never kept under a newer version than its own.
+    :param question: what in the request the answer depends on.
+    """
+
+    def __init__(self, handler: Callable[[Request], Response], basis: Callable[[Request], Hashable],
+                 question: Callable[[Request], Hashable]) -> None:
+        self._handler, self._basis, self._question = handler, basis, question
+        self._kept: tuple[Hashable, dict[Hashable, Response]] = (None, {})
+
+    def answer(self, request: Request) -> Response:
+        basis = self._basis(request)
+        response = self._handler(request)
+        kept_basis, answers = self._kept
+        if kept_basis != basis:
+            kept_basis, answers = self._kept = (basis, {})
+        if len(answers) < _ANSWERS_KEPT:
+            answers[self._question(request)] = response
+        return response
+
+    def cached(self, request: Request) -> Response | None:
+        kept_basis, answers = self._kept
+        if not answers or kept_basis != self._basis(request):
+            return None
+        response = answers.get(self._question(request))
+        # Headers are the server's to extend per response (web config): never the kept ones.
+        return dataclasses.replace(response, headers=dict(response.headers)) if response is not None else None
 
 
 class Routes(Router):
@@ -61,14 +110,17 @@ class Routes(Router):
     def __init__(self, served: Served) -> None:
         self._served = served
         self._state_text = StateText()
+        alloc_map = _Answers(self._alloc_map, self._alloc_map_basis, lambda r: (_param(r, "format"), _param(r, "agent")))
+        simulate = _Answers(self._simulate, lambda _: served.model().headroom_version,
+                            lambda r: (_param(r, "request"), _param(r, "policy")))
         super().__init__({
             "/": Route(self._landing),
             "/metrics": Route(self._metrics, cached=self._metrics_cached),
             "/-/healthy": Route(self._healthy),
             "/-/ready": Route(self._ready_route),
-            "/api/v1/alloc-map": Route(self._alloc_map, offload=True),
+            "/api/v1/alloc-map": Route(alloc_map.answer, offload=True, cached=alloc_map.cached),
             "/api/v1/state": Route(self._state, offload=True),
-            "/api/v1/simulate": Route(self._simulate, offload=True),
+            "/api/v1/simulate": Route(simulate.answer, offload=True, cached=simulate.cached),
             # A few shapes' published verdicts, formatted: cheap enough for the loop.
             "/api/v1/placeable": Route(self._placeable),
         })
@@ -101,6 +153,13 @@ class Routes(Router):
 
     def _ready_route(self, _: Request) -> Response:
         return Response(200, b"OK\n") if self._served.ready() else Response(503, b"first scan not finished\n")
+
+    def _alloc_map_basis(self, request: Request) -> Hashable:
+        """What ``/api/v1/alloc-map`` answers from: the book, or the read model."""
+        model = self._served.model()
+        if request.query.get("format", [self._served.alloc_map_format])[0] == "absolute" and not model.layout.multi_agent:
+            return self._served.book_version()
+        return model.version
 
     def _alloc_map(self, request: Request) -> Response:
         # absolute: agents before 26.4.8; ratio: 26.4.8+ / 26.8.x (every cuda.* slot / capacity).
@@ -195,6 +254,12 @@ def _score(value: Decimal) -> str:
 
 def _scores(values: Mapping[str, Decimal]) -> dict[str, str]:
     return {k: _score(v) for k, v in sorted(values.items())}
+
+
+def _param(request: Request, name: str) -> tuple[str, ...] | None:
+    """Every value of one query parameter, as a key (None: absent)."""
+    values = request.query.get(name)
+    return tuple(values) if values is not None else None
 
 
 def _wants(request: Request) -> tuple[bool, bool]:

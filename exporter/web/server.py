@@ -105,9 +105,10 @@ class Route:
     """A handler and where it runs: on the serving loop (quick: it only reads published bytes) or,
     with ``offload=True``, on the worker pool (it builds a document and may take long).
 
-    With ``cached``, the loop first asks it for an answer from bytes already rendered; when it has
-    none (something changed since the last render, or a render is running), ``handler`` renders
-    on the server's own render thread: never on the loop, never queued behind the worker pool's
+    With ``cached``, the loop first asks it for an answer from bytes already rendered. When it has
+    none (something changed since the last render, or a render is running), ``handler`` renders:
+    an offloaded route's on the worker pool (a document asked for again), another's on the
+    server's own render thread: never on the loop, never queued behind the worker pool's
     documents, never refused for their sake (``/metrics``).
     """
 
@@ -722,11 +723,13 @@ class HttpServer:
         if self._router is None:
             return _run_handler(self._handler, request)
         route = self._router.resolve(request)
+        if route.offload:
+            if route.cached is not None and (response := _run_handler(route.cached, request)) is not None:
+                return self._held_response(response, encoding=None)
+            return await self._offload(route, request)
         if route.cached is not None:
             return await self._exposition(route, request)
-        if not route.offload:
-            return _run_handler(route.handler, request)
-        return await self._offload(route, request)
+        return _run_handler(route.handler, request)
 
     async def _exposition(self, route: Route, request: Request) -> Response:
         """``/metrics``: the body already rendered, else a render on the render thread; either way

@@ -1,4 +1,5 @@
-"""The JSON documents the routes serve: ``/api/v1/state`` encoded per change and shared while held, and
+"""The JSON documents the routes serve: ``/api/v1/state`` encoded per change and shared while held,
+the answers of ``/api/v1/simulate`` and ``/api/v1/alloc-map`` kept while their state is current, and
 ``/api/v1/placeable`` from the published shape figures."""
 
 from __future__ import annotations
@@ -150,3 +151,52 @@ def test_placeable_answers_per_shape_with_reasons_and_hami_figures() -> None:
     assert missing.status == 404
     assert missing.body == b"parameter shape: no shape 'two' is configured (--fleet.shape; shapes: half, one)\n"
     assert not routes.routes["/api/v1/placeable"].offload  # formats published figures only
+
+
+def test_a_question_asked_again_before_the_state_moves_is_answered_from_the_kept_bytes(monkeypatch) -> None:
+    """``/api/v1/simulate`` and ``/api/v1/alloc-map`` keep their answers while the state they read
+    is current: the loop answers a repeated question (``Route.cached``); a newer state, another
+    question, or more questions than are kept go to the handler."""
+    from exporter.analysis.model import Analysis
+    from exporter.analysis.node import HeadroomParams
+    from exporter.analysis.pipeline import analyse
+    from exporter.web import routes as routes_module
+
+    book = AllocationBook()
+    book.apply("k1", "/r", spec(("cuda.shares", "GPU-0", "1.5")))
+    published = [analyse(book.view(), params=HeadroomParams())]
+    asked = []
+    real_what_if = Analysis.what_if
+    monkeypatch.setattr(Analysis, "what_if", lambda self, *a: asked.append(a) or real_what_if(self, *a))
+    routes = Routes(Served(view=book.view, model=lambda: published[0], render=None, render_cached=None, ready=None,
+                           watcher=None, version=lambda: book.version))
+    simulate, alloc_map = routes.routes["/api/v1/simulate"], routes.routes["/api/v1/alloc-map"]
+
+    def ask(route, **query: str):
+        """(the kept answer, then the handler's) to one question."""
+        request = Request("GET", "/", {k: [v] for k, v in query.items()}, {})
+        return route.cached(request), route.handler(request)
+
+    kept, fresh = ask(simulate, request="cuda.shares=0.5")
+    assert kept is None and fresh.status == 200 and len(asked) == 1
+    again = simulate.cached(Request("GET", "/", {"request": ["cuda.shares=0.5"]}, {}))
+    assert again.body == fresh.body and again.headers is not fresh.headers and len(asked) == 1
+    assert simulate.cached(Request("GET", "/", {"request": ["cuda.shares=0.25"]}, {})) is None  # another question
+    # A new node state (its headroom version moves): the kept answer is not served.
+    published[0] = dataclasses.replace(published[0], headroom_version=published[0].headroom_version + 1)
+    assert simulate.cached(Request("GET", "/", {"request": ["cuda.shares=0.5"]}, {})) is None
+
+    # The absolute alloc map reads the book: it moves with the book's version, before any pass.
+    kept, fresh = ask(alloc_map)
+    assert kept is None and json.loads(fresh.body) == {"GPU-0": "1.5"}
+    assert alloc_map.cached(Request("GET", "/", {}, {})).body == fresh.body
+    book.apply("k2", "/r", spec(("cuda.shares", "GPU-0", "0.5")))
+    assert alloc_map.cached(Request("GET", "/", {}, {})) is None
+    assert json.loads(alloc_map.handler(Request("GET", "/", {}, {})).body) == {"GPU-0": "2.0"}
+
+    # At most _ANSWERS_KEPT answers per state: a client that varies its query keeps nothing more.
+    monkeypatch.setattr(routes_module, "_ANSWERS_KEPT", 2)
+    for amount in ("0.1", "0.2", "0.3"):
+        simulate.handler(Request("GET", "/", {"request": [f"cuda.shares={amount}"]}, {}))
+    assert [simulate.cached(Request("GET", "/", {"request": [f"cuda.shares={a}"]}, {})) is not None
+            for a in ("0.1", "0.2", "0.3")] == [True, True, False]
