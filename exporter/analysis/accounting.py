@@ -163,6 +163,9 @@ class _Counters(Mapping):
         dt, rates = self._as_of - self._since, self._rates
         return [(key, base + rates.get(key, 0.0) * dt) for key, base in self._base.items()]
 
+    def keys(self):  # the base's own view: set operations on it run in C (a render unites the families' keys)
+        return self._base.keys()
+
     def __iter__(self):
         return iter(self._base)
 
@@ -202,6 +205,9 @@ class _Driven(Mapping):
         get, value, on = self._rates.get, self._value, drive.get
         return [(key, base + s[0][1] * on(s[0][0], 0.0) if len(s := get(key, ())) == 1 else value(key, base))
                 for key, base in self._base.items()]
+
+    def keys(self):  # the base's own view: set operations on it run in C (a render unites the families' keys)
+        return self._base.keys()
 
     def __iter__(self):
         return iter(self._base)

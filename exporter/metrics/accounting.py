@@ -168,6 +168,9 @@ class AccountingText:
         self._heads: list[str] | None = None  # each family's HELP and TYPE lines, in order
         self._om_heads: list[str] = []  # the same in OpenMetrics (with UNIT where the name says one)
         self._openmetrics = b""  # the last render's OpenMetrics form
+        # The share lines of the last render and what they were written from: shares change only
+        # with the allocation, while every other per-pair counter moves with time.
+        self._shares: tuple[Mapping | None, list | None, list[str]] = (None, None, [])
 
     def render(self, result: Accounting | None) -> bytes:
         """The families' text; :meth:`openmetrics` then gives the same render in OpenMetrics 1.0."""
@@ -193,7 +196,7 @@ class AccountingText:
 
         order, labels = self._pair_labels(result)
         head(0)
-        out += _pair_lines(names[0], result.shares, order, labels)
+        out += self._share_lines(names[0], result.shares, order, labels)
         measured = sorted((k, use) for k, use in result.kernels.items()
                           if use.utilization_ratio is not None or use.memory_ratio is not None)
         head(1)
@@ -252,6 +255,16 @@ class AccountingText:
             self._order = sorted(keys)
             self._ordered_labels = list(map(self._pairs.__getitem__, self._order))
         return self._order, self._ordered_labels
+
+    def _share_lines(self, name: str, shares: Mapping[tuple[str, str], float], order: list[tuple[str, str]],
+                     labels: list[str]) -> list[str]:
+        """The share family's lines: the last render's while the pairs and their shares are the
+        same (compared in C: ~1 ms against ~10 ms to write 12,500 lines)."""
+        seen, seen_order, lines = self._shares
+        if not (order is seen_order and (shares is seen or shares == seen)):
+            lines = _pair_lines(name, shares, order, labels)
+            self._shares = (shares, order, lines)
+        return lines
 
     def _kernel_labels(self, kernel_id: str) -> str:
         text = self._kernels.get(kernel_id)

@@ -4,6 +4,7 @@ every render has one status sample per part under names fixed at start; a part t
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections import Counter
 from decimal import Decimal
@@ -133,8 +134,10 @@ def test_the_accounting_text_is_what_prometheus_client_writes() -> None:
         allocated_seconds={("k1", "GPU-a"): 12.5, (odd, "GPU-b"): 3.0, ("gone", "GPU-a"): 7.0},
         busy_seconds={("k1", "GPU-a"): 1e-9},
     )
+    moved = dataclasses.replace(result, shares={("k1", "GPU-a"): 0.25, (odd, "GPU-b"): 1.0})
     text = AccountingText()
-    for case in (result, Accounting(), result):  # pairs dropped, then back
+    # Pairs dropped, then back; then the same pairs with other shares (kept share lines are not reused).
+    for case in (result, Accounting(), result, result, moved, moved):
         expected = render_families(accounting_families(case))
         assert text.render(case) == expected
         # The OpenMetrics form shares the samples and is the conversion of the text.
