@@ -17,12 +17,14 @@ import logging
 import threading
 import time
 from bisect import bisect_right
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal
 from enum import Enum
 from functools import lru_cache
 from types import MappingProxyType
+
+import immutables
 
 from exporter.scratch.identity import Identity
 from exporter.scratch.resources import Allocation, Pending, ResourceParseError, ResourceSpec
@@ -252,6 +254,49 @@ class _Totals:
         return min(0, *self._exps.get(key, {0: 1}))
 
 
+class KernelTable(Mapping[str, "Kernel"]):
+    """The book's kernels as a persistent map (a hash array mapped trie, :mod:`immutables`): a
+    change makes a new table sharing all but one path with the last, so a view hands the table
+    out as it is. A dict would be copied whole for every view after a change (~0.5 ms at 10,000
+    kernels, on every change's path). Reads, iteration and equality are a ``Mapping``'s; the
+    order of iteration is not the order of insertion."""
+
+    __slots__ = ("_map",)
+
+    def __init__(self, table: immutables.Map | None = None) -> None:
+        self._map = immutables.Map() if table is None else table
+
+    def set(self, kernel_id: str, kernel: Kernel) -> KernelTable:
+        return KernelTable(self._map.set(kernel_id, kernel))
+
+    def delete(self, kernel_id: str) -> KernelTable:
+        return KernelTable(self._map.delete(kernel_id))
+
+    def __getitem__(self, kernel_id: str) -> Kernel:
+        return self._map[kernel_id]
+
+    def get(self, kernel_id: str, default=None):
+        return self._map.get(kernel_id, default)
+
+    def __contains__(self, kernel_id: object) -> bool:
+        return kernel_id in self._map
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._map)
+
+    def __len__(self) -> int:
+        return len(self._map)
+
+    def items(self):  # the trie's own views: iterated in C
+        return self._map.items()
+
+    def values(self):
+        return self._map.values()
+
+    def __repr__(self) -> str:
+        return f"KernelTable({dict(self._map.items())!r})"
+
+
 class AllocationBook:
     """The mutable, thread-safe model behind the views.
 
@@ -261,7 +306,7 @@ class AllocationBook:
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self._clock = clock
         self._lock = threading.Lock()
-        self._kernels: dict[str, Kernel] = {}
+        self._kernels = KernelTable()
         self._device = _Totals()
         self._node = _Totals()
         # Kept as kernels change, so that a view costs a copy of the kernel table, not a pass over it.
@@ -323,7 +368,7 @@ class AllocationBook:
             if old is None or old.identity == identity:
                 return None
             new = dataclasses.replace(old, identity=identity)
-            self._kernels[kernel_id] = new  # allocations unchanged: no totals to move
+            self._kernels = self._kernels.set(kernel_id, new)  # allocations unchanged: no totals to move
             self._changes.append((self._version + 1, kernel_id))
             self._changed()
             return new
@@ -364,7 +409,7 @@ class AllocationBook:
             if self._view is None or self._view.version != self._version:
                 self._view = AllocationView(
                     version=self._version,
-                    kernels=MappingProxyType(dict(self._kernels)),
+                    kernels=self._kernels,
                     device_totals=MappingProxyType(dict(self._device.sums)),
                     alloc_map=MappingProxyType(self._alloc_map()),
                     node_totals=MappingProxyType(dict(self._node.sums)),
@@ -402,11 +447,11 @@ class AllocationBook:
         if new is not None:
             self._count(new.allocations, +1)
             self._states[new.state] += 1
-            self._kernels[new.kernel_id] = new
+            self._kernels = self._kernels.set(new.kernel_id, new)
             if new.spec is not None and new.spec.agent_unreadable:
                 self._unreadable[new.kernel_id] = tuple(new.spec.agent_unreadable)
         elif old is not None:
-            del self._kernels[old.kernel_id]
+            self._kernels = self._kernels.delete(old.kernel_id)
 
     def _changed(self) -> None:
         # Caller holds the lock.
