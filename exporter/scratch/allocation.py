@@ -261,10 +261,11 @@ class KernelTable(Mapping[str, "Kernel"]):
     kernels, on every change's path). Reads, iteration and equality are a ``Mapping``'s; the
     order of iteration is not the order of insertion."""
 
-    __slots__ = ("_map",)
+    __slots__ = ("_keys", "_map")
 
     def __init__(self, table: immutables.Map | None = None) -> None:
         self._map = immutables.Map() if table is None else table
+        self._keys: frozenset[str] | None = None
 
     def set(self, kernel_id: str, kernel: Kernel) -> KernelTable:
         return KernelTable(self._map.set(kernel_id, kernel))
@@ -286,6 +287,11 @@ class KernelTable(Mapping[str, "Kernel"]):
 
     def __len__(self) -> int:
         return len(self._map)
+
+    def keys(self) -> frozenset[str]:  # the table never changes: its key set, built once, in C
+        if self._keys is None:
+            self._keys = frozenset(self._map)
+        return self._keys
 
     def items(self):  # the trie's own views: iterated in C
         return self._map.items()
