@@ -77,12 +77,12 @@ class ChunkedText:
             render after one change costs one chunk, not a look at every key (10,000 kernels:
             ~1.6 ms). None: every chunk is compared.
         """
-        keys, touched = objects.keys(), set()
+        touched: set[int] = set()
         candidates: Iterable[int] | None = None
         if not self._chunks:
-            order = sorted(keys)
+            order = sorted(objects)
             self._chunks = [_Chunk(order[i:i + self._target]) for i in range(0, len(order), self._target)]
-            self._keys = set(keys)
+            self._keys = set(order)
         elif changed is not None:
             gone = [k for k in changed if k in self._keys and k not in objects]
             came = [k for k in changed if k in objects and k not in self._keys]
@@ -93,7 +93,7 @@ class ChunkedText:
                 self._firsts = [c.keys[0] for c in self._chunks]
             firsts = self._firsts
             candidates = sorted(touched.union(max(bisect_right(firsts, k) - 1, 0) for k in changed if k in objects))
-        elif keys != self._keys:  # a set comparison, no copy: keys come and go far less often than they change
+        elif (keys := objects.keys()) != self._keys:  # a set comparison, no copy: keys come and go far less often than they change
             new = set(keys)
             touched = self._move_keys(self._keys - new, new - self._keys)
             self._keys = new
