@@ -315,7 +315,7 @@ class AllocationBook:
         self._kernels = KernelTable()
         self._device = _Totals()
         self._node = _Totals()
-        # Kept as kernels change, so that a view costs a copy of the kernel table, not a pass over it.
+        # Kept as kernels change, so that a view costs copies of these small tables, not a pass over every kernel.
         self._states = dict.fromkeys(KernelState, 0)
         self._unreadable: dict[str, tuple[str, ...]] = {}
         self._version = 0
