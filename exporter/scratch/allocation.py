@@ -343,23 +343,42 @@ class AllocationBook:
             (so callers log a bad file once, not on every rescan).
         """
         with self._lock:
-            old = self._kernels.get(kernel_id)
-            spec = old.spec if old else None
-            if isinstance(outcome, ResourceSpec):
-                state, reason, spec = KernelState.OK, None, outcome
-            elif isinstance(outcome, Pending):
-                state, reason = KernelState.PENDING, outcome.reason
-            else:
-                state, reason = KernelState.INVALID, str(outcome)
-                self._errors_total += 1
-            if identity is None and old is not None:
-                identity = old.identity
-            if old and (old.state, old.reason, old.spec, old.scratch_root, old.identity) == (state, reason, spec, scratch_root, identity):
-                return None
-            since = old.since if old and old.state is state else self._clock()
-            new = Kernel(kernel_id, scratch_root, state, spec, reason, since, identity)
-            self._swap(old, new)
+            new = self._record(kernel_id, scratch_root, outcome, identity)
+            if new is not None:
+                self._changed()
             return new
+
+    def apply_many(self, scratch_root: str, entries: Iterable[tuple[str, Outcome, Identity | None]]) -> list[Kernel]:
+        """Record the outcomes of reading many kernels' files, ``(kernel id, outcome, identity)``
+        each, as one change: one version and one notification (a forced scan lands a batch at a
+        time, not a version per kernel). Returns the kernels that changed, as :meth:`apply` does."""
+        with self._lock:
+            changed = [
+                new for kernel_id, outcome, identity in entries if (new := self._record(kernel_id, scratch_root, outcome, identity)) is not None
+            ]
+            if changed:
+                self._changed()
+            return changed
+
+    def _record(self, kernel_id: str, scratch_root: str, outcome: Outcome, identity: Identity | None) -> Kernel | None:
+        # Caller holds the lock; the caller announces the change.
+        old = self._kernels.get(kernel_id)
+        spec = old.spec if old else None
+        if isinstance(outcome, ResourceSpec):
+            state, reason, spec = KernelState.OK, None, outcome
+        elif isinstance(outcome, Pending):
+            state, reason = KernelState.PENDING, outcome.reason
+        else:
+            state, reason = KernelState.INVALID, str(outcome)
+            self._errors_total += 1
+        if identity is None and old is not None:
+            identity = old.identity
+        if old and (old.state, old.reason, old.spec, old.scratch_root, old.identity) == (state, reason, spec, scratch_root, identity):
+            return None
+        since = old.since if old and old.state is state else self._clock()
+        new = Kernel(kernel_id, scratch_root, state, spec, reason, since, identity)
+        self._put(old, new)
+        return new
 
     def set_identity(self, kernel_id: str, identity: Identity) -> Kernel | None:
         """Record who a known kernel belongs to.
@@ -437,11 +456,6 @@ class AllocationBook:
                 acc[0] += amount
                 acc[1] = min(acc[1], self._device.exponent((device_id, slot)))
         return {d: str(total.quantize(Decimal(1).scaleb(exp))) for d, (total, exp) in sorted(per_device.items())}
-
-    def _swap(self, old: Kernel | None, new: Kernel | None) -> None:
-        # Caller holds the lock.
-        self._put(old, new)
-        self._changed()
 
     def _put(self, old: Kernel | None, new: Kernel | None) -> None:
         # Caller holds the lock; the caller announces the change.

@@ -1,25 +1,29 @@
-"""A large forced scan's reads, shared with a forked helper process while this one parses.
+"""A large forced scan's reads and parses, shared with a forked helper process while this one lands them.
 
-The scan at start spends a large share of its time in the system calls that open, stat and read
-each kernel's two config files, and the rest parsing and booking them: all of it on one core, under
-the GIL. :func:`read_batches` forks a child that reads from the front of the list and streams its
-batches back through a pipe, so that on a machine with a second core the reading overlaps the
-parsing. Whenever no batch of the child's is waiting, this process reads one itself, from the back
-of the list: when the other core is busy elsewhere, the scan is no slower than without the child.
+The scan at start spends its time in the system calls that open, stat and read each kernel's two
+config files, in parsing them, and in landing the results in the book: all of it on one core,
+under the GIL. :func:`read_batches` forks a child that reads and parses from the front of the
+list and streams its batches back through a pipe, so that on a machine with a second core that
+work overlaps the landing. Whenever no batch of the child's is waiting, this process does one
+itself, from the back of the list: when the other core is busy elsewhere, the scan is no slower
+than without the child. One pickler there and one unpickler here serve every batch, so what the
+batches share (the parser's shared amounts, ids and allocations) crosses once and stays shared.
 
-A batch is ``batch`` kernels, or fewer when their reads already hold :data:`BATCH_BYTES` (files
-near the 1 MiB cap): neither process ever holds more than about one batch of file bytes, three
-times over while it is pickled, sent and unpickled, however large the files.
+A batch is ``batch`` kernels, or fewer when their files already held :data:`BATCH_BYTES` (files
+near the 1 MiB cap): neither process ever holds more than about one batch of file bytes' worth of
+results, three times over while it is pickled, sent and unpickled, however large the files; the
+memos start again past that many bytes.
 
-The child only makes system calls, pickles and writes (no logging, no locks, no threads of its
-own), so it is safe to fork from a process whose other threads may hold locks. Whatever it did not
-deliver, because it could not be forked, died, or sent a torn batch, is read in this process, the
-same way: a scan never depends on the helper.
+The child only makes system calls, parses, pickles and writes (no logging, no locks, no threads
+of its own), so it is safe to fork from a process whose other threads may hold locks. Whatever it
+did not deliver, because it could not be forked, died, or sent a torn batch, is done in this
+process, the same way: a scan never depends on the helper.
 """
 
 from __future__ import annotations
 
 import fcntl
+import io
 import os
 import pickle
 import select
@@ -32,6 +36,7 @@ from typing import TypeVar
 __all__ = ["BATCH_BYTES", "MIN_KERNELS", "read_batches"]
 
 T = TypeVar("T")
+U = TypeVar("U")
 
 # Below this a fork (the whole process's page tables copied) costs about what it saves.
 MIN_KERNELS = 1024
@@ -39,28 +44,38 @@ MIN_KERNELS = 1024
 # 4 of files near the 1 MiB cap). 64 kernels of 1 MiB files made 64 MiB batches, which the helper
 # held three times at once (the reads, their pickle, the pickle with its header).
 BATCH_BYTES = 4 << 20
-_HEADER = struct.Struct("=I")  # a batch's pickled size, in bytes, before it
+# Before each batch: its pickled size, in bytes, and whether the child cleared its pickler's memo
+# before it (the receiver clears its own to match).
+_HEADER = struct.Struct("=I?")
 # The kernel's limit for an unprivileged process (/proc/sys/fs/pipe-max-size): several batches fit
 # in the pipe, so the child rarely waits for the parser.
 _PIPE_BYTES = 1 << 20
 
 
-def read_batches(read: Callable[[str], T], kernels: Sequence[str], batch: int) -> Iterator[tuple[Sequence[str], list[T]]]:
-    """``(kernel ids, [read(id) for each])``, at most ``batch`` at a time and at most about
-    :data:`BATCH_BYTES` of file bytes (:func:`weight`) at a time, each kernel exactly once (not
-    necessarily in order).
+def read_batches(
+    read: Callable[[str], T], kernels: Sequence[str], batch: int, parse: Callable[[str, T], U] | None = None
+) -> Iterator[tuple[Sequence[str], list[U]]]:
+    """``(kernel ids, [parse(id, read(id)) for each])``, at most ``batch`` at a time and at most
+    about :data:`BATCH_BYTES` of file bytes (:func:`weight` of the reads) at a time, each kernel
+    exactly once (not necessarily in order). A batch is read whole, then parsed: parsing each
+    kernel right after its reads is markedly slower, as the system calls evict the parser's
+    working set from the CPU caches.
 
-    With at least :data:`MIN_KERNELS` kernels and a second CPU, a forked child shares the reads.
-    ``read`` must only read (it also runs in the child), and its results must pickle.
+    With at least :data:`MIN_KERNELS` kernels and a second CPU, a forked child shares the work.
+    ``read`` and ``parse`` must only read and compute (they also run in the child: no logging, no
+    locks), and what ``parse`` returns must pickle.
+
+    :param parse: None: the reads themselves.
     """
+    work = (read, parse)
     if len(kernels) >= MIN_KERNELS and _cpus() > 1:
-        yield from _shared(read, kernels, batch)
+        yield from _shared(work, kernels, batch)
         return
     start = 0
     while start < len(kernels):
-        reads = _read_forward(read, kernels, start, len(kernels), batch)
-        yield kernels[start : start + len(reads)], reads
-        start += len(reads)
+        results, _ = _do_forward(work, kernels, start, len(kernels), batch)
+        yield kernels[start : start + len(results)], results
+        start += len(results)
 
 
 def weight(value: object) -> int:
@@ -73,22 +88,28 @@ def weight(value: object) -> int:
     return 0
 
 
-def _read_forward(read: Callable[[str], T], kernels: Sequence[str], start: int, end: int, batch: int) -> list[T]:
-    """Reads of ``kernels[start:end]`` from the front, until ``batch`` or :data:`BATCH_BYTES`."""
-    reads: list[T] = []
+_Work = tuple[Callable[[str], T], "Callable[[str, T], U] | None"]  # (read, parse), as read_batches takes them
+
+
+def _do_forward(work: _Work, kernels: Sequence[str], start: int, end: int, batch: int) -> tuple[list, int]:
+    """The results of ``kernels[start:end]`` from the front, until ``batch`` or :data:`BATCH_BYTES`
+    of reads, and the bytes their reads held."""
+    read, parse = work
+    reads: list = []
     held = 0
     for kernel_id in kernels[start : min(end, start + batch)]:
         reads.append(read(kernel_id))
         held += weight(reads[-1])
         if held >= BATCH_BYTES:
             break
-    return reads
+    return _parsed(parse, kernels[start : start + len(reads)], reads), held
 
 
-def _read_backward(read: Callable[[str], T], kernels: Sequence[str], start: int, end: int, batch: int) -> list[T]:
-    """Reads of the tail of ``kernels[start:end]``, from the back, until ``batch`` or
-    :data:`BATCH_BYTES`; in the kernels' order."""
-    reads: list[T] = []
+def _do_backward(work: _Work, kernels: Sequence[str], start: int, end: int, batch: int) -> list:
+    """The results of the tail of ``kernels[start:end]``, read from the back, until ``batch`` or
+    :data:`BATCH_BYTES` of reads; in the kernels' order."""
+    read, parse = work
+    reads: list = []
     held = 0
     for index in range(end - 1, max(start, end - batch) - 1, -1):
         reads.append(read(kernels[index]))
@@ -96,7 +117,15 @@ def _read_backward(read: Callable[[str], T], kernels: Sequence[str], start: int,
         if held >= BATCH_BYTES:
             break
     reads.reverse()
-    return reads
+    return _parsed(parse, kernels[end - len(reads) : end], reads)
+
+
+def _parsed(parse: Callable[[str, T], U] | None, kernel_ids: Sequence[str], reads: list[T]) -> list:
+    if parse is None:
+        return reads
+    results = [parse(kernel_id, one) for kernel_id, one in zip(kernel_ids, reads, strict=True)]
+    reads.clear()  # the file bytes go as soon as they are parsed, before the results are sent
+    return results
 
 
 def _cpus() -> int:
@@ -106,18 +135,19 @@ def _cpus() -> int:
         return os.cpu_count() or 1
 
 
-def _shared(read: Callable[[str], T], kernels: Sequence[str], batch: int) -> Iterator[tuple[Sequence[str], list[T]]]:
+def _shared(work: _Work, kernels: Sequence[str], batch: int) -> Iterator[tuple[Sequence[str], list]]:
     """The child's batches from the front as they arrive; this process's own from the back while
     none is waiting; all of it here if the child cannot be forked or stops delivering."""
     front, back = 0, len(kernels)  # the child's batches cover [0, front); this process's [back, n)
-    r, pid = _fork_child(read, kernels, batch)
+    r, pid = _fork_child(work, kernels, batch)
+    receiver = _Receiver()
     try:
         if r >= 0:
             waiting = select.poll()
             waiting.register(r, select.POLLIN)
         while front < back:
             if r >= 0 and waiting.poll(0):
-                reads = _receive(r)
+                reads = receiver.receive(r)
                 if reads is None:  # the child ended (died, or sent a torn batch): the rest is read here
                     os.close(r)
                     r = -1
@@ -126,7 +156,7 @@ def _shared(read: Callable[[str], T], kernels: Sequence[str], batch: int) -> Ite
                 yield kernels[front : front + len(reads)], reads
                 front += len(reads)
             else:
-                reads = _read_backward(read, kernels, front, back, batch)
+                reads = _do_backward(work, kernels, front, back, batch)
                 yield kernels[back - len(reads) : back], reads
                 back -= len(reads)
     finally:
@@ -145,7 +175,7 @@ def _shared(read: Callable[[str], T], kernels: Sequence[str], batch: int) -> Ite
                 pass
 
 
-def _fork_child(read: Callable[[str], T], kernels: Sequence[str], batch: int) -> tuple[int, int]:
+def _fork_child(work: _Work, kernels: Sequence[str], batch: int) -> tuple[int, int]:
     """(the read end of the child's pipe, its pid), or (-1, -1) where it cannot be forked
     (EAGAIN, ENOMEM, a seccomp filter): then this process reads everything."""
     try:
@@ -159,18 +189,37 @@ def _fork_child(read: Callable[[str], T], kernels: Sequence[str], batch: int) ->
         os.close(w)
         return -1, -1
     if pid == 0:
-        _child(r, w, read, kernels, batch)  # never returns
+        _child(r, w, work, kernels, batch)  # never returns
     os.close(w)
     return r, pid
 
 
-def _receive(fd: int) -> list | None:
-    """One batch from the child, or None at the end of its output (or a torn batch)."""
-    header = _read_exactly(fd, _HEADER.size)
-    if header is None:
-        return None
-    data = _read_exactly(fd, _HEADER.unpack(header)[0])
-    return None if data is None else pickle.loads(data)
+class _Receiver:
+    """The child's batches, unpickled by one unpickler: its memo lives across batches, as the
+    child's pickler's does, so what every batch shares (slot names, device ids, amounts, whole
+    allocations) crosses the pipe, and lives here, once."""
+
+    def __init__(self) -> None:
+        self._buffer = io.BytesIO()
+        self._unpickler = pickle.Unpickler(self._buffer)
+
+    def receive(self, fd: int) -> list | None:
+        """One batch from the child, or None at the end of its output (or a torn batch)."""
+        header = _read_exactly(fd, _HEADER.size)
+        if header is None:
+            return None
+        size, cleared = _HEADER.unpack(header)
+        data = _read_exactly(fd, size)
+        if data is None:
+            return None
+        if cleared:  # a new unpickler: 3.11's memo setter crashes on an empty dict
+            self._unpickler = pickle.Unpickler(self._buffer)
+        buffer = self._buffer
+        buffer.seek(0)
+        buffer.truncate()
+        buffer.write(data)
+        buffer.seek(0)
+        return self._unpickler.load()
 
 
 def _read_exactly(fd: int, size: int) -> bytearray | None:
@@ -185,7 +234,7 @@ def _read_exactly(fd: int, size: int) -> bytearray | None:
     return data
 
 
-def _child(r: int, w: int, read: Callable[[str], T], kernels: Sequence[str], batch: int) -> None:
+def _child(r: int, w: int, work: _Work, kernels: Sequence[str], batch: int) -> None:
     """Read every kernel, send the batches, exit: os._exit, never back into the caller's code."""
     code = 0
     try:
@@ -200,13 +249,25 @@ def _child(r: int, w: int, read: Callable[[str], T], kernels: Sequence[str], bat
             fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
         except OSError:  # over this host's limit: the default 64 KiB works, with more waits
             pass
-        start = 0
+        sink = io.BytesIO()
+        pickler = pickle.Pickler(sink, pickle.HIGHEST_PROTOCOL)
+        start, remembered = 0, 0  # the file bytes whose results the pickler's memo holds
         while start < len(kernels):
-            reads = _read_forward(read, kernels, start, len(kernels), batch)
-            start += len(reads)
-            data = pickle.dumps(reads, pickle.HIGHEST_PROTOCOL)
-            del reads  # the file bytes are in the pickle now: held once, not twice, while it is written
-            for piece in (_HEADER.pack(len(data)), data):
+            results, held = _do_forward(work, kernels, start, len(kernels), batch)
+            start += len(results)
+            # The memo keeps every object it pickled alive: past a batch's worth of file bytes it
+            # starts again (never, on a node of ordinary files), so this process stays bounded.
+            clear = remembered + held > BATCH_BYTES
+            if clear:
+                pickler.clear_memo()
+                remembered = 0
+            remembered += held
+            sink.seek(0)
+            sink.truncate()
+            pickler.dump(results)
+            data = sink.getvalue()
+            del results  # in the pickle now: held once, not twice, while it is written
+            for piece in (_HEADER.pack(len(data), clear), data):
                 view = memoryview(piece)
                 while view:
                     view = view[os.write(w, view) :]

@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from exporter.scratch.allocation import AllocationBook, Kernel, KernelState
+from exporter.scratch.allocation import AllocationBook, Kernel, KernelState, Outcome
 from exporter.scratch.beneath import open_beneath
 from exporter.scratch.identity import RECOVERY_FILE, Identity, parse_recovery
 from exporter.scratch.prefetch import read_batches
@@ -271,10 +271,9 @@ class ScanStats:
 # kernel and file rather than a tuple of four ints (the table holds one per kernel and file).
 _Signature = int
 _FIELD = (1 << 64) - 1
-# A forced scan reads the files of this many kernels, then parses them: parsing each kernel right
-# after its path walks is markedly slower, as the syscalls evict the parser's working set from
-# the CPU caches. It is
-# also the unit the helper process sends (:mod:`~exporter.scratch.prefetch`).
+# A forced scan reads the files of this many kernels, then parses them (see
+# :func:`~exporter.scratch.prefetch.read_batches`), then lands them as one change of the book. It
+# is also the unit the helper process sends.
 _SCAN_BATCH = 64
 
 
@@ -334,21 +333,31 @@ class Scanner:
             seconds to no owner.
         :returns: the kernel if it changed (or None, also when it is gone).
         """
-        self._seen[kernel_id] = sig
         outcome = read_kernel(root, kernel_id, self.max_bytes, closed=closed, settled_before=now - self._settle, read=read)
-        if isinstance(outcome, Pending) and outcome.reason == UNTERMINATED:
-            # Unchanged, it is still read again on the next rescan: by then it has settled.
-            self._seen[kernel_id] = None
-        if outcome is None:
-            self._seen.pop(kernel_id, None)
-            self._seen_identity.pop(kernel_id, None)
+        if outcome is not None and identity_read is None and not self.book.holds(kernel_id, root):
+            identity_read = self._read(root, kernel_id, RECOVERY_FILE)
+        if (entry := self._note(kernel_id, (sig, outcome, *_identity_of(root, kernel_id, identity_read)))) is None:
             if self.book.remove(kernel_id):
                 log.debug("kernel %s removed", kernel_id)
             return None
-        if identity_read is None and not self.book.holds(kernel_id, root):
-            identity_read = self._read(root, kernel_id, RECOVERY_FILE)
-        identity = None if identity_read is None else self._identity(root, kernel_id, identity_read)
-        return self.book.apply(kernel_id, root, outcome, identity)
+        return self.book.apply(kernel_id, root, *entry)
+
+    def _note(self, kernel_id: str, parsed: _Parsed) -> tuple[Outcome, Identity | None] | None:
+        """Remember the signatures of one kernel's parsed files (the caller holds the lock).
+
+        :returns: what to record in the book, or None when the kernel is gone (forgotten here).
+        """
+        sig, outcome, identity_sig, identity = parsed
+        if outcome is None:
+            self._seen.pop(kernel_id, None)
+            self._seen_identity.pop(kernel_id, None)
+            return None
+        # An unterminated file, unchanged, is still read again on the next rescan: by then it has settled.
+        self._seen[kernel_id] = None if isinstance(outcome, Pending) and outcome.reason == UNTERMINATED else sig
+        if identity_sig is not None:
+            # Remember the signature only of a file that parsed: a torn one is read again later.
+            self._seen_identity[kernel_id] = identity_sig if identity is not None else None
+        return outcome, identity
 
     def forget(self, kernel_ids: Sequence[str]) -> None:
         """Forget kernels whose directories are gone, as one change of the book."""
@@ -370,18 +379,12 @@ class Scanner:
 
     def _land_identity(self, root: str, kernel_id: str, read: _Read) -> None:
         """Parse one read of a kernel's recovery.json into the book (the caller holds the lock)."""
-        if (identity := self._identity(root, kernel_id, read)) is not None:
+        identity_sig, identity = _identity_of(root, kernel_id, read)
+        if identity_sig is not None:
+            # Remember the signature only of a file that parsed: a torn one is read again later.
+            self._seen_identity[kernel_id] = identity_sig if identity is not None else None
+        if identity is not None:
             self.book.set_identity(kernel_id, identity)
-
-    def _identity(self, root: str, kernel_id: str, read: _Read) -> Identity | None:
-        """Parse one read of a kernel's recovery.json (None: no file, or a torn one) and remember
-        its signature (the caller holds the lock)."""
-        if (sig := _read_signature(read, root, kernel_id, RECOVERY_FILE)) is None:
-            return None  # no file
-        identity = read_identity(root, kernel_id, read=read)
-        # Remember the signature only of a file that parsed: a torn one is read again later.
-        self._seen_identity[kernel_id] = sig if identity is not None else None
-        return identity
 
     def apply_label_identity(self, kernel_id: str, identity: Identity) -> None:
         """Give a kernel the identity its container's Docker labels state (opt-in, agents before
@@ -443,21 +446,57 @@ class Scanner:
                     self.refresh_identity(root, kernel_id)
 
     def _read_all(self, root: str, kernels: Sequence[str]) -> None:
-        """Read and land every kernel's two files (a forced scan).
+        """Read, parse and land every kernel's two files (a forced scan), a batch at a time.
 
-        The reads of a large root are made by a helper process ahead of the parsing
-        (:mod:`~exporter.scratch.prefetch`). The lock is held over the whole scan, so that no
-        event's refresh lands between a file's read and its parse, which would put an older read
-        over a newer one (forced scans run at start, before events are served: nothing waits).
+        A large root's kernels are read and parsed by a helper process ahead of this one
+        (:mod:`~exporter.scratch.prefetch`), which lands them. Each batch lands as one change of
+        the book. The lock is held over the whole scan, so that no event's refresh lands between
+        a file's read and its landing, which would put an older read over a newer one (forced
+        scans run at start, before events are served: nothing waits).
         """
         both = self._files(_RESOURCE, RECOVERY_FILE)
         # Opened once for every kernel's reads; None: each read opens it again and says why it cannot.
         with _opened_root(root) as root_fd, self._lock:
-            now = self._clock()  # before every read: a file older than the settle time is closed
-            for batch, reads in read_batches(lambda kernel_id: _read_config(root, kernel_id, both, root_fd), kernels, _SCAN_BATCH):
-                for kernel_id, (resource, identity) in zip(batch, reads, strict=True):
-                    sig = _read_signature(resource, root, kernel_id, _RESOURCE)
-                    _log_invalid(kernel_id, self._land(root, kernel_id, now, resource, sig, False, identity))
+            # Taken before every read: a file last modified before it is closed.
+            settled_before = self._clock() - self._settle
+            for batch, parsed in read_batches(
+                lambda kernel_id: _read_config(root, kernel_id, both, root_fd),
+                kernels,
+                _SCAN_BATCH,
+                lambda kernel_id, reads: _parse_reads(root, kernel_id, reads, settled_before, self.max_bytes),
+            ):
+                entries, gone = [], []
+                for kernel_id, one in zip(batch, parsed, strict=True):
+                    if (entry := self._note(kernel_id, one)) is None:
+                        gone.append(kernel_id)
+                    else:
+                        entries.append((kernel_id, *entry))
+                for kernel in self.book.apply_many(root, entries):
+                    _log_invalid(kernel.kernel_id, kernel)
+                self.book.remove_many(gone)
+
+
+# One kernel of a forced scan, parsed (by the helper process, or here): the signature of its
+# resource.txt; what the file says (None: the kernel is gone); the signature of its recovery.json
+# (None: there is none) and the identity it names (None: none usable).
+_Parsed = tuple["_Signature | None", "Outcome | None", "_Signature | None", "Identity | None"]
+
+
+def _parse_reads(root: str, kernel_id: str, reads: list[_Read], settled_before: float, max_bytes: int) -> _Parsed:
+    """Parse one kernel's two files as a forced scan read them, and nothing else: it runs in the
+    scan's helper process too (no logging, no locks, no book)."""
+    resource, identity_read = reads
+    outcome = read_kernel(root, kernel_id, max_bytes, settled_before=settled_before, read=resource)
+    identity = _identity_of(root, kernel_id, identity_read) if outcome is not None else (None, None)
+    return _read_signature(resource, root, kernel_id, _RESOURCE), outcome, *identity
+
+
+def _identity_of(root: str, kernel_id: str, read: _Read | None) -> tuple[_Signature | None, Identity | None]:
+    """The signature of one read of a kernel's recovery.json (None: no file, or none read) and the
+    identity it names (None: none usable, see :func:`read_identity`)."""
+    if read is None or (sig := _read_signature(read, root, kernel_id, RECOVERY_FILE)) is None:
+        return None, None
+    return sig, read_identity(root, kernel_id, read=read)
 
 
 @contextmanager

@@ -132,6 +132,9 @@ class ResourceParseError(ValueError):
         where = f"{source}:{line}" if line else source
         super().__init__(f"{where}: {reason}")
 
+    def __reduce__(self):  # pickled by the scan's helper process: rebuilt from the three parts, not from args
+        return type(self), (self.source, self.line, self.reason)
+
 
 def _amount(slot: str, text: str) -> Decimal:
     """Counts are plain decimals; bytes may carry a BinarySize suffix. Either falls back to the other,
@@ -375,26 +378,43 @@ def _parse_shares(value: str, slot: str, agent_counts: bool) -> _Shares:
     """:param agent_counts: the agent reads this slot's amounts with ``Decimal()`` (not as bytes)."""
     if _BAD_ID.search(slot):
         raise _Invalid("the slot name in the key contains whitespace or control characters")
-    per_device: dict[str, Decimal] = {}
+    per_device: dict[str, Allocation] = {}
     unreadable = False
     for position, entry in enumerate(value.split(","), start=1):
-        # The agent keeps the device id as written (a space after a comma stays in the id).
-        device_id, _, amount = entry.partition(":")
-        # Upstream skips entries with an empty side; so do we, so both read the same totals.
-        if not device_id or not amount:
-            continue
-        if _BAD_ID.search(device_id):
-            raise _Invalid(
-                f"{slot.upper()}{_SHARES_SUFFIX} entry {position}: the device id contains whitespace or control characters"
-            )
-        amount = amount.strip()
         try:
-            # A repeated device id overwrites, as upstream's dict assignment does. Ids repeat
-            # across kernels ("0", "root", a GPU's uuid): intern them.
-            per_device[sys.intern(device_id)] = _amount(slot, amount)
-        except ValueError as exc:
+            parsed = (_share_entry_cached if len(entry) <= _ENTRY_MAX_CHARS else _share_entry)(entry, slot, agent_counts)
+        except _Invalid as exc:
             raise _Invalid(f"{slot.upper()}{_SHARES_SUFFIX} entry {position}: {exc}") from None
-        if agent_counts and not _is_plain_decimal(amount):
-            unreadable = True
-    slot = sys.intern(slot)
-    return _Shares(tuple([Allocation(slot, d, a) for d, a in per_device.items()]), unreadable)
+        if parsed is not None:
+            # A repeated device id overwrites, as upstream's dict assignment does.
+            per_device[parsed[0].device_id] = parsed[0]
+            unreadable = unreadable or parsed[1]
+    return _Shares(tuple(per_device.values()), unreadable)
+
+
+# The entries of share lines ("GPU-…:0.5", "root:4g") repeat across kernels far more than whole
+# lines do: a kernel holding several devices makes a line of its own, from entries many others hold.
+_ENTRY_MEMO_SIZE = 4096
+_ENTRY_MAX_CHARS = 256  # a device id and an amount; longer entries are parsed every time
+
+
+def _share_entry(entry: str, slot: str, agent_counts: bool) -> tuple[Allocation, bool] | None:
+    """One ``device:amount`` entry of a share line: its allocation, and whether the agent's
+    ``Decimal()`` refuses its amount (None: an entry the agent skips)."""
+    # The agent keeps the device id as written (a space after a comma stays in the id).
+    device_id, _, amount = entry.partition(":")
+    # Upstream skips entries with an empty side; so do we, so both read the same totals.
+    if not device_id or not amount:
+        return None
+    if _BAD_ID.search(device_id):
+        raise _Invalid("the device id contains whitespace or control characters")
+    amount = amount.strip()
+    try:
+        value = _amount(slot, amount)
+    except ValueError as exc:
+        raise _Invalid(str(exc)) from None
+    # Ids and slots repeat across kernels ("0", "root", a GPU's uuid): interned, they are shared.
+    return Allocation(sys.intern(slot), sys.intern(device_id), value), agent_counts and not _is_plain_decimal(amount)
+
+
+_share_entry_cached = lru_cache(maxsize=_ENTRY_MEMO_SIZE)(_share_entry)

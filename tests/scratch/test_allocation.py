@@ -154,6 +154,23 @@ def test_kernels_removed_together_are_one_change() -> None:
     assert book.remove_many(["gone"]) == 0 and book.version == version + 1 and changes == [1]
 
 
+def test_kernels_landed_together_are_one_change_and_only_the_changed_are_returned() -> None:
+    """A forced scan lands a batch at a time: one version and one notification for the batch,
+    and the kernels that changed (for the log), as apply returns them one by one."""
+    book = AllocationBook()
+    changes = []
+    book.subscribe(lambda: changes.append(1))
+    book.apply("k0", "/r", parse_resource(GOOD))
+    version, changes[:] = book.version, []
+    bad = ResourceParseError("/r/k2/config/resource.txt", 3, "SLOTS is not valid JSON")
+    landed = book.apply_many("/r", [("k0", parse_resource(GOOD), None), ("k1", parse_resource(GOOD), None), ("k2", bad, None)])
+    assert [k.kernel_id for k in landed] == ["k1", "k2"]  # k0 read the same: not a change
+    assert book.version == version + 1 and changes == [1]
+    assert book.view().changed_since(version) == frozenset({"k1", "k2"})
+    assert book.view().alloc_map == {"GPU-a": "1.0"} and book.view().parse_errors_total == 1
+    assert book.apply_many("/r", [("k0", parse_resource(GOOD), None)]) == [] and book.version == version + 1
+
+
 def test_changed_since_names_every_kernel_that_changed_after_a_version(monkeypatch) -> None:
     """Against a diff of the views themselves: every kernel that came, went or was replaced
     (an identity too) after any version the book still records, and None past its record."""
@@ -388,23 +405,23 @@ def test_a_file_that_cannot_be_read_is_not_read_again_by_a_rescan(tmp_path: Path
 
 
 def test_an_event_during_a_scan_never_lands_before_the_scans_older_read(tmp_path: Path) -> None:
-    """A forced scan reads kernels ahead of parsing them. An event's refresh of one of them in
-    between must wait for the scan: else the scan's older read would land after the newer one."""
+    """A forced scan reads and parses kernels ahead of landing them. An event's refresh of one of
+    them in between must wait for the scan: else the scan's older read would land after the newer one."""
     kids = [_uuid_kernel(tmp_path, i, "0.25", identity=False) for i in range(8)]
     book = AllocationBook()
 
     class RewriteDuringTheBatch(Scanner):
         event: threading.Thread | None = None
 
-        def _land(self, root: str, kernel_id: str, *args):
+        def _note(self, kernel_id: str, parsed):
             if self.event is None:
                 other = next(k for k in kids if k != kernel_id)  # not landed yet: this is the first
                 path = tmp_path / other / "config/resource.txt"
                 path.write_text(path.read_text().replace("0.25", "0.5"))
-                self.event = threading.Thread(target=self.refresh, args=(root, other, True), name="event")
+                self.event = threading.Thread(target=self.refresh, args=(str(tmp_path), other, True), name="event")
                 self.event.start()
                 self.event.join(0.2)  # it waits for the batch (it would be done by now otherwise)
-            return super()._land(root, kernel_id, *args)
+            return super()._note(kernel_id, parsed)
 
     applied = []  # (thread, the amount applied)
     real_apply = book.apply
@@ -424,10 +441,10 @@ def test_a_scan_that_fails_mid_batch_leaves_no_read_behind(tmp_path: Path) -> No
     class FailsAtOnce(Scanner):
         fail = True
 
-        def _land(self, *args):
+        def _note(self, *args):
             if self.fail:
                 raise RuntimeError("boom")
-            return super()._land(*args)
+            return super()._note(*args)
 
     scanner = FailsAtOnce(book)
     with pytest.raises(RuntimeError):

@@ -115,6 +115,24 @@ def test_batches_are_bounded_in_bytes_not_only_in_kernels(helper, monkeypatch, s
     assert prefetch.weight(("x", 7, None, ValueError("e"), [b"ab", (bytearray(3), memoryview(b"c"))])) == 6
 
 
+SHARED = (Decimal("0.5"), "GPU-00000001-0000-4000-8000-00000000be01")
+
+
+def shares_parts(kernel_id: str) -> tuple[str, int, tuple[Decimal, str]]:
+    """A result holding the same objects as every other, as the parser's memos give: the amounts,
+    ids and allocations that kernels share."""
+    return (*paced(kernel_id), SHARED)
+
+
+def test_what_the_helpers_batches_share_arrives_once(helper) -> None:
+    """One unpickler for all of the helper's batches: an object every batch holds is one object
+    here too (sharing the parser gave it, and unpickled once), not one copy per batch."""
+    reads = [r for _, rs in prefetch.read_batches(shares_parts, KERNELS, 8) for r in rs]
+    from_helper = [parts for _, pid, parts in reads if pid != PARENT]
+    assert len(from_helper) > 16  # several batches
+    assert len({id(parts) for parts in from_helper}) == 1 and from_helper[0] == SHARED
+
+
 def test_a_helper_that_dies_midway_costs_nothing(helper) -> None:
     def dies_at_k0100(kernel_id: str) -> tuple[str, int]:
         if kernel_id == "k0100" and os.getpid() != PARENT:
