@@ -215,7 +215,8 @@ class Exporter:
             # The first sample runs alongside the scan; give it until its deadline so the first scrape
             # after /-/ready already has telemetry (a hung NVML only delays readiness by the timeout).
             self.sampler.wait_for_version(0, self.settings.telemetry_timeout)
-            self.pipeline.step()
+            # The ledger's first pass (every counter at zero) runs on the usage thread, right after.
+            self.pipeline.step(ledger=False)
             # Everything built so far (the kernels, the imports) lives as long as the process: keep it
             # out of the collector's generations, so a full collection during a scrape does not walk
             # every kernel's objects again (CPython's gc.freeze, meant for exactly this).

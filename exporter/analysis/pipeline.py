@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
-from exporter.analysis.accounting import Accountant
+from exporter.analysis.accounting import Accountant, Accounting
 from exporter.analysis.agents import AgentLayout, agent_headroom, agent_views
 from exporter.analysis.attribution import AttributionTracker
 from exporter.analysis.capacity import CapacityConfig, is_fractional_slot
@@ -62,6 +62,7 @@ STALE_CHECK_SECONDS = 30.0
 _LOG_KERNELS = 5  # kernels named in one stale-change log line; the rest are counted
 _JUDGED_APART = 256  # past this many changed kernels, judging every kernel costs less than the merge
 _SINGLE = AgentLayout(roots=())
+_NOTHING_COUNTED = Accounting()  # the ledger before its first pass: no counter yet
 _DEFAULTS = HeadroomParams()
 
 
@@ -297,15 +298,21 @@ class AnalysisPipeline:
             self._stop.wait(1.0)  # a pass that keeps failing must not spin a core
             return None
 
-    def step(self) -> Analysis:
+    def step(self, ledger: bool = True) -> Analysis:
         """One full pass now (usage included, whether or not a sample arrived); publishes and
-        returns the result."""
-        return self._pass(full=True)
+        returns the result.
 
-    def _pass(self, full: bool) -> Analysis:
+        :param ledger: False: publish an empty ledger (nothing counted yet) and leave its first
+            pass to the usage thread, which runs it as soon as it starts. At start the ledger's
+            counters are all zero whatever it computes, and its first pass walks every kernel
+            (at 10,000 kernels with capacities known, ~0.1 s of a start that must stay under 1 s).
+        """
+        return self._pass(full=True, ledger=ledger)
+
+    def _pass(self, full: bool, ledger: bool = True) -> Analysis:
         """Both stages on the calling thread: usage when due (``full``: always), then placement
         of whatever moved."""
-        self._usage_pass(full)
+        self._usage_pass(full, ledger)
         self._allocation_pass()
         return self._model
 
@@ -320,9 +327,12 @@ class AnalysisPipeline:
             self._model = replace(prev, **changes) if prev else Analysis(layout=self.config.layout, **changes)
             return self._model
 
-    def _usage_pass(self, full: bool = False) -> bool:
+    def _usage_pass(self, full: bool = False, ledger: bool = True) -> bool:
         """The join (when the snapshot or the GPU ids moved) and the usage stage, when a sample
-        arrived, the interval passed or ``full``; publishes them. Returns whether it ran."""
+        arrived, the interval passed or ``full``; publishes them. Returns whether it ran.
+
+        :param ledger: False: the ledger's pass is left to the next usage pass, due at once.
+        """
         with self._usage_lock:
             prev = self._model
             sample_version, snapshot = self._telemetry()
@@ -337,8 +347,8 @@ class AnalysisPipeline:
                 resolver, inventory = device_join(view, snapshot, self.config.device_id_scheme)
             changes: dict = {"snapshot": snapshot, "sample_version": sample_version, "resolver": resolver,
                              "inventory": inventory}
-            changes.update(self._usage(prev, view, snapshot, resolver, now))
-            self._next_usage = now + self.config.interval
+            changes.update(self._usage(prev, view, snapshot, resolver, now, ledger))
+            self._next_usage = now + self.config.interval if ledger or self._accountant is None else now
             if prev is None:  # the first model is published whole, never without a node state
                 changes.update(self._placement(view, inventory, resolver, snapshot, changes.get("liveness", {}),
                                                changes.get("ghost_totals", {}), None))
@@ -394,7 +404,7 @@ class AnalysisPipeline:
         return stale
 
     def _usage(self, prev: Analysis | None, view: AllocationView, snapshot: TelemetrySnapshot, resolver: DeviceResolver,
-               now: float) -> dict:
+               now: float, ledger: bool = True) -> dict:
         """Liveness (when due), attribution and accounting; each failure is logged and leaves
         its figures empty, never the pass undone."""
         out: dict = {"usage_version": prev.usage_version + 1 if prev else 1}
@@ -423,7 +433,9 @@ class AnalysisPipeline:
                 attribution = self._tracker.update(snapshot, view.kernels.values(), resolver)
             except Exception:
                 log.exception("process attribution failed")
-        if self._accountant is not None:
+        if self._accountant is not None and not ledger:
+            out["accounting"] = _NOTHING_COUNTED
+        elif self._accountant is not None:
             try:
                 out["accounting"] = self._accountant.update(view.kernels.values(), snapshot, resolver, capacity, attribution,
                                                                 version=view.version, changes=partial(_changes, view))

@@ -108,6 +108,24 @@ def test_the_interval_runs_usage_without_a_sample() -> None:
     assert p._pass(full=False).usage_version == first.usage_version + 1
 
 
+def test_the_ledgers_first_pass_can_be_left_to_the_usage_thread() -> None:
+    """The start publishes the ledger empty (nothing counted yet: every counter would read zero)
+    and leaves its first pass to the usage thread, due at once, without a sample or the interval."""
+    clock = Clock()
+    book, telemetry = AllocationBook(clock=lambda: 0.0), Telemetry(snapshot("GPU-a"))
+    book.apply("k1", "/scratch", parse_resource(resource("GPU-a:0.5")))
+    p = pipeline(book, telemetry, clock)
+    first = p.step(ledger=False)
+    assert first.accounting is not None and not first.accounting.shares and not first.accounting.allocated_seconds
+    assert headroom(first) == Decimal("13")  # the rest of the model is whole (13.5 - 0.5)
+    counted = p._pass(full=False)
+    assert counted.usage_version == first.usage_version + 1 and dict(counted.accounting.shares) == {("k1", "GPU-a"): 0.5 / 13.5}  # of the GPU
+    clock.now += 1.0
+    assert p._pass(full=False).usage_version == counted.usage_version  # then every interval again, as before
+    clock.now += 5.0
+    assert p._pass(full=False).usage_version == counted.usage_version + 1
+
+
 def test_one_name_two_spellings_and_unknown_ids_are_judged_once() -> None:
     book, telemetry = AllocationBook(clock=lambda: 0.0), Telemetry(snapshot("GPU-a"))
     book.apply("k1", "/scratch", parse_resource(resource("GPU-a:1,GPU-zz:2")))

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from attribution_node import CID, K1, K2, K3, K4, K5, K6, PLACEMENT, PROC
-from helpers import GOLDEN
+from helpers import GOLDEN, wait_for
 from prometheus_client import CollectorRegistry, generate_latest
 
 from exporter.app import Exporter
@@ -101,6 +101,8 @@ def render_node(tmp: Path) -> str:
         try:
             # The first sample is published before the first analysis reads it at start().
             assert exporter.sampler.latest().success, exporter.sampler.latest().error
+            # The ledger counts from its first pass, which the usage thread runs right after readiness.
+            wait_for(lambda: exporter.pipeline.current.usage_version > 1)
             clock.now = NOW + 600  # ten minutes on, kernels without a live container are stale
             exporter.pipeline.step()
             return normalise(exporter.render().decode(), tmp)
