@@ -342,11 +342,8 @@ class AllocationBook:
         :returns: the new :class:`Kernel` if its state, reason or allocation changed, else None
             (so callers log a bad file once, not on every rescan).
         """
-        with self._lock:
-            new = self._record(kernel_id, scratch_root, outcome, identity)
-            if new is not None:
-                self._changed()
-            return new
+        changed = self.apply_many(scratch_root, ((kernel_id, outcome, identity),))
+        return changed[0] if changed else None
 
     def apply_many(self, scratch_root: str, entries: Iterable[tuple[str, Outcome, Identity | None]]) -> list[Kernel]:
         """Record the outcomes of reading many kernels' files, ``(kernel id, outcome, identity)``

@@ -354,10 +354,14 @@ class Scanner:
             return None
         # An unterminated file, unchanged, is still read again on the next rescan: by then it has settled.
         self._seen[kernel_id] = None if isinstance(outcome, Pending) and outcome.reason == UNTERMINATED else sig
-        if identity_sig is not None:
-            # Remember the signature only of a file that parsed: a torn one is read again later.
-            self._seen_identity[kernel_id] = identity_sig if identity is not None else None
+        self._note_identity(kernel_id, identity_sig, identity)
         return outcome, identity
+
+    def _note_identity(self, kernel_id: str, sig: _Signature | None, identity: Identity | None) -> None:
+        """Remember the signature of a kernel's recovery.json as read (None: there was none), only
+        of a file that parsed: a torn one is read again later (the caller holds the lock)."""
+        if sig is not None:
+            self._seen_identity[kernel_id] = sig if identity is not None else None
 
     def forget(self, kernel_ids: Sequence[str]) -> None:
         """Forget kernels whose directories are gone, as one change of the book."""
@@ -380,9 +384,7 @@ class Scanner:
     def _land_identity(self, root: str, kernel_id: str, read: _Read) -> None:
         """Parse one read of a kernel's recovery.json into the book (the caller holds the lock)."""
         identity_sig, identity = _identity_of(root, kernel_id, read)
-        if identity_sig is not None:
-            # Remember the signature only of a file that parsed: a torn one is read again later.
-            self._seen_identity[kernel_id] = identity_sig if identity is not None else None
+        self._note_identity(kernel_id, identity_sig, identity)
         if identity is not None:
             self.book.set_identity(kernel_id, identity)
 
