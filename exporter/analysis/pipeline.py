@@ -253,11 +253,12 @@ class AnalysisPipeline:
         """The sampler published: run a usage pass soon. Cheap, never blocks."""
         self._sampled.set()
 
-    def start(self, first: Callable[[], None] | None = None) -> None:
+    def start(self, first: Callable[[], None] | None = None, counted: Callable[[], None] | None = None) -> None:
         """Run passes on threads of their own; ``first`` runs on the allocation thread once before
-        its first wait."""
+        its first wait, ``counted`` on the usage thread once after its first pass (the ledger's
+        first, after ``step(ledger=False)``)."""
         self._threads = [threading.Thread(target=self._allocation_loop, args=(first,), name="analysis", daemon=True),
-                         threading.Thread(target=self._usage_loop, name="analysis-usage", daemon=True)]
+                         threading.Thread(target=self._usage_loop, args=(counted,), name="analysis-usage", daemon=True)]
         for thread in self._threads:
             thread.start()
 
@@ -281,7 +282,7 @@ class AnalysisPipeline:
             self._changed.clear()
             self._guarded(self._allocation_pass)
 
-    def _usage_loop(self) -> None:
+    def _usage_loop(self, counted: Callable[[], None] | None) -> None:
         while not self._stop.is_set():
             self._sampled.wait(max(self._next_usage - self._monotonic(), 0.0))
             if self._stop.is_set():
@@ -289,6 +290,9 @@ class AnalysisPipeline:
             self._sampled.clear()
             if self._guarded(self._usage_pass):
                 self._changed.set()
+            if counted is not None:
+                self._guarded(counted)
+                counted = None
 
     def _guarded(self, run: Callable[[], object]) -> object:
         try:

@@ -8,6 +8,8 @@ import threading
 from decimal import Decimal
 from pathlib import Path
 
+from helpers import wait_for
+
 from exporter.analysis.accounting import Accountant
 from exporter.analysis.node import HeadroomParams
 from exporter.analysis.pipeline import AnalysisPipeline, PipelineConfig, analyse
@@ -183,6 +185,23 @@ def test_the_thread_follows_the_book_and_leaves_nothing_behind() -> None:
     finally:
         p.close()
     assert not [t for t in threading.enumerate() if t.name.startswith("analysis")]
+
+
+def test_counted_runs_once_on_the_usage_thread_after_the_ledgers_first_pass() -> None:
+    """What the start hands ``counted`` (freezing the ledger's tables out of the collector's
+    generations) runs once the usage thread has counted, and only once."""
+    book, telemetry = AllocationBook(clock=lambda: 0.0), Telemetry(snapshot("GPU-a"))
+    book.apply("k1", "/scratch", parse_resource(resource("GPU-a:0.5")))
+    p = AnalysisPipeline(PipelineConfig(params=HeadroomParams(mode="fractional"), interval=0.01), book.view, telemetry,
+                         accountant=Accountant())
+    p.step(ledger=False)
+    seen: list[tuple[str, bool]] = []
+    p.start(counted=lambda: seen.append((threading.current_thread().name, bool(p.current.accounting.shares))))
+    try:
+        assert wait_for(lambda: p.current.usage_version > 3)  # several passes since
+    finally:
+        p.close()
+    assert seen == [("analysis-usage", True)]
 
 
 def test_a_kernel_change_is_placed_while_a_usage_pass_runs() -> None:
