@@ -33,7 +33,7 @@ from pathlib import Path
 
 from exporter.analysis.accounting import Accountant, Accounting
 from exporter.analysis.agents import AgentLayout, agent_headroom, agent_views
-from exporter.analysis.attribution import AttributionTracker
+from exporter.analysis.attribution import AttributionResult, AttributionTracker
 from exporter.analysis.capacity import CapacityConfig, is_fractional_slot
 from exporter.analysis.ghost import GhostMemory, GhostTracker
 from exporter.analysis.health import HealthTracker
@@ -437,15 +437,8 @@ class AnalysisPipeline:
                 attribution = self._tracker.update(snapshot, view.kernels.values(), resolver)
             except Exception:
                 log.exception("process attribution failed")
-        if self._accountant is not None and not ledger:
-            out["accounting"] = _NOTHING_COUNTED
-        elif self._accountant is not None:
-            try:
-                out["accounting"] = self._accountant.update(view.kernels.values(), snapshot, resolver, capacity, attribution,
-                                                                version=view.version, changes=partial(_changes, view))
-            except Exception:
-                log.exception("GPU accounting failed")
-                out["accounting"] = None
+        if self._accountant is not None:
+            out["accounting"] = self._count(view, snapshot, resolver, capacity, attribution) if ledger else _NOTHING_COUNTED
         out["attribution"] = attribution
         if self._ghost is not None:
             try:
@@ -463,6 +456,16 @@ class AnalysisPipeline:
             except Exception:
                 log.exception("device health check failed")
         return out
+
+    def _count(self, view: AllocationView, snapshot: TelemetrySnapshot, resolver: DeviceResolver, capacity: CapacityConfig,
+               attribution: AttributionResult | None) -> Accounting | None:
+        """The ledger's pass (None where it failed: logged, the rest of the pass stands)."""
+        try:
+            return self._accountant.update(view.kernels.values(), snapshot, resolver, capacity, attribution,
+                                           version=view.version, changes=partial(_changes, view))
+        except Exception:
+            log.exception("GPU accounting failed")
+            return None
 
     def _judge(self, prev: Analysis | None, view: AllocationView, before: Mapping[str, KernelLiveness],
                now: float) -> tuple[CgroupScan, dict[str, KernelLiveness], frozenset[str] | None]:

@@ -94,30 +94,32 @@ _Work = tuple[Callable[[str], T], "Callable[[str, T], U] | None"]  # (read, pars
 def _do_forward(work: _Work, kernels: Sequence[str], start: int, end: int, batch: int) -> tuple[list, int]:
     """The results of ``kernels[start:end]`` from the front, until ``batch`` or :data:`BATCH_BYTES`
     of reads, and the bytes their reads held."""
-    read, parse = work
-    reads: list = []
-    held = 0
-    for kernel_id in kernels[start : min(end, start + batch)]:
-        reads.append(read(kernel_id))
-        held += weight(reads[-1])
-        if held >= BATCH_BYTES:
-            break
-    return _parsed(parse, kernels[start : start + len(reads)], reads), held
+    return _do(work, kernels, range(start, min(end, start + batch)))
 
 
 def _do_backward(work: _Work, kernels: Sequence[str], start: int, end: int, batch: int) -> list:
     """The results of the tail of ``kernels[start:end]``, read from the back, until ``batch`` or
     :data:`BATCH_BYTES` of reads; in the kernels' order."""
+    return _do(work, kernels, range(end - 1, max(start, end - batch) - 1, -1))[0]
+
+
+def _do(work: _Work, kernels: Sequence[str], indices: range) -> tuple[list, int]:
+    """The results of the kernels at ``indices``, read in that order until :data:`BATCH_BYTES` of
+    reads, then parsed in the kernels' order; and the bytes their reads held."""
     read, parse = work
+    ids: list[str] = []
     reads: list = []
     held = 0
-    for index in range(end - 1, max(start, end - batch) - 1, -1):
+    for index in indices:
+        ids.append(kernels[index])
         reads.append(read(kernels[index]))
         held += weight(reads[-1])
         if held >= BATCH_BYTES:
             break
-    reads.reverse()
-    return _parsed(parse, kernels[end - len(reads) : end], reads)
+    if indices.step < 0:
+        ids.reverse()
+        reads.reverse()
+    return _parsed(parse, ids, reads), held
 
 
 def _parsed(parse: Callable[[str, T], U] | None, kernel_ids: Sequence[str], reads: list[T]) -> list:
