@@ -67,7 +67,7 @@ from exporter.scratch.resources import Allocation, SlotKind, slot_kind
 from exporter.telemetry.devices import DeviceResolver
 from exporter.telemetry.model import DeviceReading, MigDeviceReading, TelemetrySnapshot
 
-__all__ = ["DEFAULT_ENERGY_SPLIT", "ENERGY_SPLITS", "Accountant", "Accounting", "KernelUse", "gpu_shares"]
+__all__ = ["DEFAULT_ENERGY_SPLIT", "ENERGY_SPLITS", "Accountant", "Accounting", "DrivenCounters", "KernelUse", "gpu_shares"]
 
 _NVML_PLUGIN = "cuda"
 RETENTION_SECONDS = 600.0
@@ -177,7 +177,7 @@ class _Counters(Mapping):
 _Split = tuple[tuple[str, float], ...]
 
 
-class _Driven(Mapping):
+class DrivenCounters(Mapping):
     """Counters that grow with a per-GPU drive between passes: ``base + Σ fraction × drive[GPU]``,
     computed when read, as :class:`_Counters` does with time. The drive is the joules a GPU used
     since ``since``, or (for the per-pair and per-owner families) the GPU-seconds or joules one
@@ -208,6 +208,13 @@ class _Driven(Mapping):
 
     def keys(self):  # the base's own view: set operations on it run in C (a render unites the families' keys)
         return self._base.keys()
+
+    def terms(self) -> tuple[Mapping[Hashable, float], Mapping[Hashable, _Split], Mapping[str, float]]:
+        """``(base, splits, drive)``: each counter reads ``base[key]`` plus, over ``splits[key]``
+        (none: it does not grow), ``fraction × drive[GPU]``, summed in the split's order. Every
+        result of the ledger hands out the same ``base`` and ``splits`` objects until a pass changes
+        them, so a renderer may keep what it derived from them for as long as they are the same."""
+        return self._base, self._rates, self._drive
 
     def __iter__(self):
         return iter(self._base)
@@ -338,7 +345,7 @@ class Accountant:
 
     Time-driven counters (allocated, unallocated) grow at constant rates between changes
     (:class:`_Counters`) and energy counters at constant fractions of each GPU's energy
-    (:class:`_Driven`): a pass over an unchanged node (same kernels, same inventory, nothing
+    (:class:`DrivenCounters`): a pass over an unchanged node (same kernels, same inventory, nothing
     measured) changes no rate and costs O(GPUs) instead of a walk over every kernel; a pass that
     measures nothing and is told which few kernels changed moves only the counters whose rate
     changes (:meth:`_shift`); any other pass settles every counter once. Busy time changes only
@@ -370,7 +377,7 @@ class Accountant:
         self._since = 0.0
         self._settled = False
         # Per pair: its allocated counter at ``since``, its share of the GPU (present pairs), and
-        # the split ((GPU, share),) its allocated and energy counters grow by (see _Driven).
+        # the split ((GPU, share),) its allocated and energy counters grow by (see DrivenCounters).
         self._alloc_base: dict[_Pair, float] = {}
         self._shares: dict[_Pair, float] = {}
         self._fracs: dict[_Pair, _Split] = {}
@@ -422,6 +429,9 @@ class Accountant:
         self._index: _Index | None = None
         # The joule drives of the last result handed out: (per GPU, per unit of share).
         self._shown: tuple[Mapping[str, float], Mapping[str, float]] = ({}, {})
+        # The read-only view of ``_busy`` handed out, the same object while ``_busy`` is: with
+        # the other tables' identities, it tells a renderer that the set of pairs did not move.
+        self._busy_view: tuple[dict[_Pair, float], Mapping[_Pair, float]] = (self._busy, MappingProxyType(self._busy))
 
     def update(
         self,
@@ -500,20 +510,25 @@ class Accountant:
         self._result = Accounting(
             shares=shares,
             kernels=uses,
-            allocated_seconds=_Driven(self._alloc_base, self._fracs, seconds),
-            busy_seconds=MappingProxyType(self._busy),
-            energy_joules=_Driven(self._energy_base, self._fracs, per_share),
+            allocated_seconds=DrivenCounters(self._alloc_base, self._fracs, seconds),
+            busy_seconds=self._busy_shown(),
+            energy_joules=DrivenCounters(self._energy_base, self._fracs, per_share),
             device_allocated_seconds=_Counters(self._dev_alloc_base, self._dev_alloc_rates, since, now),
             device_unallocated_seconds=_Counters(self._dev_free_base, self._dev_free_rates, since, now),
             device_busy_seconds=MappingProxyType(self._dev_busy),
-            device_energy_joules=_Driven(self._dev_energy_base, self._dev_energy_rates, drive),
-            device_unattributed_joules=_Driven(self._dev_unattr_base, self._dev_unattr_rates, drive),
-            owner_allocated_seconds=_Driven(self._own_alloc_base, self._own_fracs, seconds),
+            device_energy_joules=DrivenCounters(self._dev_energy_base, self._dev_energy_rates, drive),
+            device_unattributed_joules=DrivenCounters(self._dev_unattr_base, self._dev_unattr_rates, drive),
+            owner_allocated_seconds=DrivenCounters(self._own_alloc_base, self._own_fracs, seconds),
             owner_busy_seconds=MappingProxyType(self._own_busy),
-            owner_energy_joules=_Driven(self._own_energy_base, self._own_fracs, per_share),
+            owner_energy_joules=DrivenCounters(self._own_energy_base, self._own_fracs, per_share),
             measured=flags,
         )
         return self._result
+
+    def _busy_shown(self) -> Mapping[_Pair, float]:
+        if self._busy_view[0] is not self._busy:
+            self._busy_view = (self._busy, MappingProxyType(self._busy))
+        return self._busy_view[1]
 
     def _read_energy(self, snapshot: TelemetrySnapshot, resolver: DeviceResolver) -> None:
         """Adds each GPU's energy since the last read to its joules.
@@ -1000,14 +1015,14 @@ def _raised(value: float, reads: Callable[[float], float], target: float) -> flo
 
 
 def _driven_value(base: float, split: _Split, drive: Mapping[str, float]) -> float:
-    for gpu, fraction in split:  # as _Driven._value sums, in the same order
+    for gpu, fraction in split:  # as DrivenCounters._value sums, in the same order
         base += fraction * drive.get(gpu, 0.0)
     return base
 
 
 def _rebased_driven(base: dict, rates: dict, new: Mapping[Hashable, _Split | None], drive: Mapping[str, float],
                     present: Iterable[Hashable], keep_rates: bool = False) -> tuple[dict, dict]:
-    """:func:`_rebased` for a :class:`_Driven` family: ``drive`` (GPU -> joules since ``since``, or
+    """:func:`_rebased` for a :class:`DrivenCounters` family: ``drive`` (GPU -> joules since ``since``, or
     per unit of share) in place of the time. ``keep_rates``: ``rates`` is not copied nor changed
     (another family that grows by the same splits takes the new ones)."""
     base, rates = dict(base), rates if keep_rates else dict(rates)

@@ -48,6 +48,7 @@ __all__ = [
     "classify_kernels",
     "container_id_of",
     "scan_cgroups",
+    "time_moves",
 ]
 
 # Directories under the cgroup root (v2) or a v1 controller that only a host-wide view shows; a
@@ -177,6 +178,12 @@ def classify(
     if cid in scan.container_ids or (len(cid) < 64 and any(c.startswith(cid) for c in scan.container_ids)):
         return _CONTAINER_RUNNING
     return _STARTING if young else _CONTAINER_GONE
+
+
+def time_moves(verdict: KernelLiveness) -> bool:
+    """Whether time alone can change ``verdict``, the same kernel and scan given: only a kernel in
+    its grace period (:func:`classify` says "starting") turns into another verdict as it ages."""
+    return verdict is _STARTING
 
 
 def classify_kernels(

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
 
-from exporter.analysis.accounting import Accounting
+from exporter.analysis.accounting import Accounting, DrivenCounters
 from exporter.analysis.agents import AgentHeadroom, AgentLayout
 from exporter.analysis.attribution import AttributionResult
 from exporter.analysis.capacity import is_fractional_slot
@@ -46,6 +46,7 @@ __all__ = [
     "Analysis",
     "AttributionResult",
     "DeviceHealth",
+    "DrivenCounters",
     "GhostCause",
     "GhostHolder",
     "GhostMemory",

@@ -37,7 +37,7 @@ from exporter.analysis.attribution import AttributionResult, AttributionTracker
 from exporter.analysis.capacity import CapacityConfig, is_fractional_slot
 from exporter.analysis.ghost import GhostMemory, GhostTracker
 from exporter.analysis.health import HealthTracker
-from exporter.analysis.liveness import CgroupScan, KernelLiveness, Liveness, classify_kernels, scan_cgroups
+from exporter.analysis.liveness import CgroupScan, KernelLiveness, Liveness, classify_kernels, scan_cgroups, time_moves
 from exporter.analysis.model import AgentShare, Analysis
 from exporter.analysis.node import (
     HeadroomParams,
@@ -57,7 +57,8 @@ __all__ = ["STALE_CHECK_SECONDS", "AnalysisPipeline", "PipelineConfig", "analyse
 
 log = logging.getLogger(__name__)
 
-# Staleness moves on a scale of minutes: a changed kernel is judged at once, every kernel every this many seconds.
+# Staleness moves on a scale of minutes: a changed kernel is judged at once, the kernels in their grace
+# period every this many seconds.
 STALE_CHECK_SECONDS = 30.0
 _LOG_KERNELS = 5  # kernels named in one stale-change log line; the rest are counted
 _JUDGED_APART = 256  # past this many changed kernels, judging every kernel costs less than the merge
@@ -470,16 +471,21 @@ class AnalysisPipeline:
     def _judge(self, prev: Analysis | None, view: AllocationView, before: Mapping[str, KernelLiveness],
                now: float) -> tuple[CgroupScan, dict[str, KernelLiveness], frozenset[str] | None]:
         """The cgroup scan and every kernel's verdict, and the kernels judged anew (None: all).
-        While the scan is the last one's and its verdicts are younger than
-        :data:`STALE_CHECK_SECONDS`, only the kernels changed since are judged again (a kernel
-        change at 10,000 kernels must not cost a judgement of every kernel, ~25 ms); time turns
-        the others stale at the next full judgement, as it did before."""
+
+        While the scan is the last one's, only the kernels changed since are judged again (a
+        kernel change at 10,000 kernels must not cost a judgement of every kernel, ~25 ms), and
+        every :data:`STALE_CHECK_SECONDS` the kernels still in their grace period too: with the
+        same containers and the same kernel, time moves no other verdict (a kernel past its
+        grace stays past it). A scan that differs judges every kernel."""
         cfg = self.config
         cgroups = scan_cgroups(cfg.cgroupfs)
         version, at = self._judged
         changed = None
-        if prev is not None and prev.cgroups == cgroups and now - at < STALE_CHECK_SECONDS:
+        due = now - at >= STALE_CHECK_SECONDS
+        if prev is not None and prev.cgroups == cgroups:
             changed = view.changed_since(version)
+            if changed is not None and due:
+                changed = changed | {kid for kid, verdict in before.items() if time_moves(verdict)}
             if changed is not None and len(changed) > _JUDGED_APART:
                 changed = None
         kernels = view.kernels if changed is None else {kid: view.kernels[kid] for kid in changed if kid in view.kernels}
@@ -491,7 +497,7 @@ class AnalysisPipeline:
         if changed is None:
             self._judged = (view.version, now)
             return cgroups, verdicts, None
-        self._judged = (view.version, at)  # the time of the last full judgement
+        self._judged = (view.version, now if due else at)  # the time of the last judgement time could move
         liveness = dict(before)  # a copy in C, then the changed kernels' verdicts
         for kid in changed:
             liveness.pop(kid, None)
@@ -508,13 +514,13 @@ class AnalysisPipeline:
         """Say once, when it happens, that kernels' allocations leave (or rejoin) the allocated and
         headroom figures: an operator comparing them with the agent's map needs to know why
         (``judged``: the only kernels whose verdict may have moved; None: any)."""
-        if judged is not None:
-            before = {k: before[k] for k in judged if k in before}
-            after = {k: after[k] for k in judged if k in after}
-        became = sorted(k for k, v in after.items()
-                        if v.status is Liveness.STALE and (k not in before or before[k].status is not Liveness.STALE))
-        back = sorted(k for k, v in before.items()
-                      if v.status is Liveness.STALE and k in after and after[k].status is not Liveness.STALE)
+        if judged is None:  # the stale verdicts of each, filtered once per result (the placement reads them too)
+            was, now = self._stale_of(before).keys(), self._stale_of(after).keys()
+        else:
+            was = {k for k in judged if k in before and before[k].status is Liveness.STALE}
+            now = {k for k in judged if k in after and after[k].status is Liveness.STALE}
+        became = sorted(now - was)
+        back = sorted(k for k in was - now if k in after)
         excluded = self.config.params.exclude_stale
         effect = ("left out of the allocated and headroom figures" if excluded
                   else "still counted in the allocated and headroom figures (--no-headroom.exclude-stale)")

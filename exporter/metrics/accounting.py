@@ -15,14 +15,16 @@ The ledger's counters (per kernel, per GPU, per user and project) are described 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from itertools import repeat
+from operator import add, itemgetter, mul
 from typing import TYPE_CHECKING
 
-from exporter.analysis.model import Accounting
+from exporter.analysis.model import Accounting, DrivenCounters
 from exporter.metrics.collectors import Inputs, Part, register
 from exporter.metrics.families import counter, escape_label, float_format, float_texts, gauge
 from exporter.metrics.status import Health
-from exporter.metrics.text import openmetrics_text
+from exporter.metrics.text import gzip_member, openmetrics_text
 
 if TYPE_CHECKING:
     from prometheus_client.core import Metric
@@ -150,88 +152,108 @@ def accounting_health(result: Accounting | None) -> Health:
 
 class AccountingText:
     """:func:`accounting_families` as exposition text, byte for byte, without prometheus_client's
-    per-sample formatting.
+    per-sample formatting, as gzip members (see :attr:`~exporter.metrics.collectors.Part.gzipped`).
 
     The counters move at every analysis pass, so this part is rendered again at nearly every
-    scrape; at thousands of kernels the generic renderer escapes and joins every sample's labels
-    each time. Here each (kernel, GPU) pair's label text is built once and kept while the pair
-    exists, the HELP and TYPE lines come from the generic renderer (rendered once, empty), and a
-    render only formats the values.
+    scrape: at 10,000 kernels, 12,500 (kernel, GPU) pairs per family. A render writes and
+    compresses only what moved since the last one:
+
+    * each family's HELP and TYPE lines are a gzip member of their own, made once in both
+      formats: the OpenMetrics form is the same sample members behind other heads;
+    * the share family's samples, and the measured-use families', are kept as members while the
+      mappings they were written from are the same objects (a pass that changed nothing hands
+      out the last ones);
+    * each pair's label text is built once and kept while the pair exists;
+    * the ledger's per-pair counters (:class:`~exporter.analysis.model.DrivenCounters`) are
+      computed in C loops over lists aligned with the exposition's order, kept while the
+      ledger's tables are the same objects.
     """
 
     def __init__(self) -> None:
         self._pairs: dict[tuple[str, str], str] = {}  # (kernel_id, GPU) -> '{device_id="…",kernel_id="…"}'
         self._order: list[tuple[str, str]] = []
         self._ordered_labels: list[str] = []  # the label text of each pair of ``_order``
+        self._pair_sources: tuple = ()  # the key tables ``_order`` was built from (compared by identity)
         self._kernels: dict[str, str] = {}  # kernel_id -> '{kernel_id="…"}'
         self._labels: dict[tuple[str, ...], str] = {}  # a GPU's or an owner's label text (a few dozen)
-        self._heads: list[str] | None = None  # each family's HELP and TYPE lines, in order
-        self._om_heads: list[str] = []  # the same in OpenMetrics (with UNIT where the name says one)
-        self._openmetrics = b""  # the last render's OpenMetrics form
-        # The share lines of the last render and what they were written from: shares change only
-        # with the allocation, while every other per-pair counter moves with time.
-        self._shares: tuple[Mapping | None, list | None, list[str]] = (None, None, [])
+        self._heads: list[tuple[str, bytes, bytes]] | None = None  # per family: name, head members (text, OpenMetrics)
+        self._samples: list[bytes] = []  # the last render's samples member per family (b"": no sample)
+        # Members kept while what they were written from is the same: first family -> (sources, members).
+        self._kept: dict[int, tuple[tuple, list[bytes]]] = {}
+        # Per-pair counter family -> what its values were aligned from, and the aligned lists.
+        self._aligned: dict[int, tuple[tuple, _Aligned | None]] = {}
 
     def render(self, result: Accounting | None) -> bytes:
-        """The families' text; :meth:`openmetrics` then gives the same render in OpenMetrics 1.0."""
+        """The families' text as gzip members; :meth:`openmetrics` then gives the same render in
+        OpenMetrics 1.0."""
         if result is None:
-            self._openmetrics = b""
+            self._samples = []
             return b""
+        heads = self._heads_made()
+        names = [name for name, _, _ in heads]
+        order, labels = self._pair_labels(result)
+        samples = self._kept_members(0, (result.shares, order), lambda: [
+            _pair_text(names[0], list(map(dict(result.shares.items()).get, order)), labels)])
+        samples += self._kept_members(1, (result.kernels,), lambda: self._use_texts(result, names[1], names[2]))
+        per_pair = [result.allocated_seconds] + [values for _, _, values in _pair_counters(result)]
+        texts = [_pair_text(names[i], self._pair_values(i, counters, order), labels)
+                 for i, counters in enumerate(per_pair, start=3)]
+        i = 3 + len(per_pair)
+        rows = [(("device_id",), {(gpu,): v for gpu, v in values.items()}) for _, _, values in _device_counters(result)]
+        rows.append((("device_id",), {(gpu,): 1.0 if flag else 0.0 for gpu, flag in result.measured.items()}))
+        rows += [(_OWNER, values) for _, _, values in _owner_counters(result)]
+        fmt = float_format()
+        for j, (label_names, values) in enumerate(rows, start=i):
+            texts.append("".join(f"{names[j]}{self._label(label_names, key)} {fmt(v)}\n" for key, v in sorted(values.items())))
+        samples += [gzip_member(text.encode()) if text else b"" for text in texts]
+        self._samples = samples
+        return _joined(heads, samples, 1)
+
+    def openmetrics(self) -> bytes:
+        """The last render in OpenMetrics 1.0 (less ``# EOF``), without ``_created``, as gzip members."""
+        return _joined(self._heads, self._samples, 2) if self._samples else b""
+
+    def _heads_made(self) -> list[tuple[str, bytes, bytes]]:
         if self._heads is None:
             from exporter.metrics.registry import render_families  # prometheus_client: loaded to render only
 
             heads = [render_families([family]) for family in accounting_families(Accounting())]
-            self._heads = [h.decode() for h in heads]
             # Samples read the same in both formats; only each family's HELP, TYPE and UNIT lines differ.
-            self._om_heads = [openmetrics_text(h).decode() for h in heads]
-        fmt = float_format()
-        heads = self._heads
-        names = [line.split(" ", 3)[2] for line in heads]
-        out: list[str] = []
-        at: list[int] = []  # where each family's head is in ``out``, family by family
+            self._heads = [(h.split(b" ", 3)[2].decode(), gzip_member(h), gzip_member(openmetrics_text(h))) for h in heads]
+        return self._heads
 
-        def head(i: int) -> None:
-            at.append(len(out))
-            out.append(heads[i])
+    def _kept_members(self, family: int, sources: tuple, texts: Callable[[], list[str]]) -> list[bytes]:
+        """The sample members of ``family`` and the ones after it that ``texts`` writes, written
+        again only when one of ``sources`` is another object than at the last call."""
+        kept = self._kept.get(family)
+        if kept is None or any(a is not b for a, b in zip(kept[0], sources, strict=True)):
+            kept = self._kept[family] = (sources, [gzip_member(text.encode()) if text else b"" for text in texts()])
+        return list(kept[1])
 
-        order, labels = self._pair_labels(result)
-        head(0)
-        out += self._share_lines(names[0], result.shares, order, labels)
+    def _use_texts(self, result: Accounting, util_name: str, memory_name: str) -> list[str]:
         measured = sorted((k, use) for k, use in result.kernels.items()
                           if use.utilization_ratio is not None or use.memory_ratio is not None)
-        head(1)
-        out += [f"{names[1]}{self._kernel_labels(k)} {fmt(use.utilization_ratio)}\n"
-                for k, use in measured if use.utilization_ratio is not None]
-        head(2)
-        out += [f"{names[2]}{self._kernel_labels(k)} {fmt(use.memory_ratio)}\n"
-                for k, use in measured if use.memory_ratio is not None]
-        per_pair = [result.allocated_seconds] + [values for _, _, values in _pair_counters(result)]
-        i = 3
-        for counters in per_pair:
-            head(i)
-            out += _pair_lines(names[i], counters, order, labels)
-            i += 1
-        for _, _, values in _device_counters(result):
-            head(i)
-            out += [f"{names[i]}{self._label(('device_id',), (gpu,))} {fmt(v)}\n" for gpu, v in sorted(values.items())]
-            i += 1
-        head(i)
-        out += [f"{names[i]}{self._label(('device_id',), (gpu,))} {fmt(1.0 if flag else 0.0)}\n"
-                for gpu, flag in sorted(result.measured.items())]
-        i += 1
-        for _, _, values in _owner_counters(result):
-            head(i)
-            out += [f"{names[i]}{self._label(_OWNER, owner)} {fmt(v)}\n" for owner, v in sorted(values.items())]
-            i += 1
-        text = "".join(out).encode()
-        for family, position in enumerate(at):
-            out[position] = self._om_heads[family]
-        self._openmetrics = "".join(out).encode()
-        return text
+        fmt = float_format()
+        return [
+            "".join(f"{util_name}{self._kernel_labels(k)} {fmt(use.utilization_ratio)}\n"
+                    for k, use in measured if use.utilization_ratio is not None),
+            "".join(f"{memory_name}{self._kernel_labels(k)} {fmt(use.memory_ratio)}\n"
+                    for k, use in measured if use.memory_ratio is not None),
+        ]
 
-    def openmetrics(self) -> bytes:
-        """The last render in OpenMetrics 1.0 (less ``# EOF``), without ``_created``."""
-        return self._openmetrics
+    def _pair_values(self, family: int, values: Mapping[tuple[str, str], float], order: list[tuple[str, str]]) -> list:
+        """The family's value of each pair of ``order`` (None: it has none; no value: it has no pair)."""
+        if not values:
+            return []
+        if isinstance(values, DrivenCounters):
+            base, splits, drive = values.terms()
+            known, aligned = self._aligned.get(family, ((), None))
+            if len(known) != 3 or known[0] is not base or known[1] is not splits or known[2] is not order:
+                aligned = _Aligned.of(base, splits, order)
+                self._aligned[family] = ((base, splits, order), aligned)
+            if aligned is not None:
+                return aligned.values(drive)
+        return list(map(dict(values.items()).get, order))  # one pass over counters computed when read
 
     def _label(self, names: tuple[str, ...] | list[str], values: tuple[str, ...]) -> str:
         key = (*names, *values)
@@ -247,24 +269,19 @@ class AccountingText:
     def _pair_labels(self, result: Accounting) -> tuple[list[tuple[str, str]], list[str]]:
         """Every pair in the exposition's order (kernel, then GPU: the order of sorting the
         families' keys) and each one's label text in that order, both kept while the pairs are
-        the same."""
+        the same (known without a look at them while the tables are the same objects)."""
+        sources = tuple(values.terms()[0] if isinstance(values, DrivenCounters) else values
+                        for values in (result.shares, result.allocated_seconds, result.busy_seconds, result.energy_joules))
+        if len(self._pair_sources) == len(sources) and all(a is b for a, b in zip(self._pair_sources, sources, strict=True)):
+            return self._order, self._ordered_labels
         keys = result.shares.keys() | result.allocated_seconds.keys() | result.busy_seconds.keys() | result.energy_joules.keys()
         if keys != self._pairs.keys():  # kernels came or went: drop the others' labels, add the new ones
             self._pairs = {key: self._pairs.get(key) or f'{{device_id="{escape_label(key[1])}",kernel_id="{escape_label(key[0])}"}}'
                            for key in keys}
             self._order = sorted(keys)
             self._ordered_labels = list(map(self._pairs.__getitem__, self._order))
+        self._pair_sources = sources
         return self._order, self._ordered_labels
-
-    def _share_lines(self, name: str, shares: Mapping[tuple[str, str], float], order: list[tuple[str, str]],
-                     labels: list[str]) -> list[str]:
-        """The share family's lines: the last render's while the pairs and their shares are the
-        same (compared in C: ~1 ms against ~10 ms to write 12,500 lines)."""
-        seen, seen_order, lines = self._shares
-        if not (order is seen_order and (shares is seen or shares == seen)):
-            lines = _pair_lines(name, shares, order, labels)
-            self._shares = (shares, order, lines)
-        return lines
 
     def _kernel_labels(self, kernel_id: str) -> str:
         text = self._kernels.get(kernel_id)
@@ -275,24 +292,55 @@ class AccountingText:
         return text
 
 
-def _pair_lines(name: str, values: Mapping[tuple[str, str], float], order: list[tuple[str, str]],
-                labels: list[str]) -> list[str]:
-    """The sample lines of one per-pair family, in the exposition's order: at 10,000 kernels a
-    render writes tens of thousands of them, so the loops run in ``map`` and ``str.join``."""
-    if not values:
-        return []
-    found = list(map(dict(values.items()).get, order))  # one pass over counters computed when read
-    if len(values) != len(order):  # a family of some pairs only (busy time, energy): the others are None
+class _Aligned:
+    """A per-pair family's ledger terms in the exposition's order: the counters of a render are
+    then ``base + fraction × drive[GPU]`` in three ``map`` loops, not a dict lookup and a split
+    per pair. Made for the families whose pairs each grow on one GPU at most (the ledger's
+    per-pair ones); None from :meth:`of` otherwise, and where a pair of the order has no counter."""
+
+    __slots__ = ("_bases", "_fractions", "_gpus")
+
+    def __init__(self, bases: list[float], gpus: list[str | None], fractions: list[float]) -> None:
+        self._bases, self._gpus, self._fractions = bases, gpus, fractions
+
+    @classmethod
+    def of(cls, base: Mapping, splits: Mapping, order: list[tuple[str, str]]) -> _Aligned | None:
+        bases = list(map(base.get, order))
+        if len(base) != len(order) or None in bases:
+            return None
+        found = list(map(splits.get, order, repeat(())))
+        if any(len(split) > 1 for split in found):
+            return None
+        firsts = [split[0] if split else (None, 0.0) for split in found]  # none: grows by 0 × nothing
+        return cls(bases, list(map(itemgetter(0), firsts)), list(map(itemgetter(1), firsts)))
+
+    def values(self, drive: Mapping[str, float]) -> list[float]:
+        # The sum DrivenCounters computes for a one-GPU split, in its order: base + fraction × drive.
+        return list(map(add, self._bases, map(mul, self._fractions, map(drive.get, self._gpus, repeat(0.0)))))
+
+
+def _joined(heads: list[tuple[str, bytes, bytes]], samples: list[bytes], form: int) -> bytes:
+    """Each family's head member (``form`` 1: text, 2: OpenMetrics) before its samples member."""
+    return b"".join(piece for head, member in zip(heads, samples, strict=True) for piece in (head[form], member))
+
+
+def _pair_text(name: str, found: list, labels: list[str]) -> str:
+    """The sample lines of one per-pair family, in the exposition's order (``found``: each pair's
+    value, None for a pair it lacks): at 10,000 kernels a render writes tens of thousands of
+    them, so the loops run in ``map`` and ``str.join``."""
+    if not found:
+        return ""
+    if None in found:  # a family of some pairs only (busy time, energy)
         kept = [(label, value) for label, value in zip(labels, found, strict=True) if value is not None]
         labels, found = [label for label, _ in kept], [value for _, value in kept]
     # name{labels} value\n, for every pair: the label text and value joined by a space, the lines
     # by a newline and the name.
-    return [name, f"\n{name}".join(map(" ".join, zip(labels, float_texts(found), strict=True))), "\n"]
+    return "".join((name, f"\n{name}".join(map(" ".join, zip(labels, float_texts(found), strict=True))), "\n"))
 
 
 @register("accounting", "GPU share per kernel, measured use over what it holds, chargeback counters", order=60)
 def _accounting(inputs: Inputs) -> list[Part]:
     text = AccountingText()
     return [Part("accounting", lambda: accounting_families(inputs.model().accounting), lambda: inputs.model().usage_version,
-                 text=lambda: text.render(inputs.model().accounting),
+                 text=lambda: text.render(inputs.model().accounting), gzipped=True,
                  health=lambda: accounting_health(inputs.model().accounting), openmetrics=text.openmetrics)]

@@ -267,6 +267,38 @@ def test_one_gpu_named_two_ways_is_one_device_of_the_node_state() -> None:
     assert model.view.alloc_map == {"GPU-a1b2": "4.5", "a1b2": "7"}  # the agent's map, as written
 
 
+def test_time_alone_judges_again_only_the_kernels_in_their_grace_period(tmp_path: Path, monkeypatch) -> None:
+    """With the same containers and kernels, a kernel past its grace keeps its verdict: only the
+    ones still starting are judged again, and turn stale once their grace is over."""
+    from exporter.analysis import pipeline as pipeline_module
+    from exporter.analysis.liveness import classify_kernels
+
+    cgroup = tmp_path / "cgroup"
+    (cgroup / "system.slice" / f"docker-{1:064x}.scope").mkdir(parents=True)
+    (cgroup / "cgroup.controllers").write_text("cpu memory pids\n")
+    clock = Clock()
+    book, telemetry = AllocationBook(clock=clock), Telemetry(snapshot("GPU-a"))
+    for n in range(30):  # 10 with their container running, 20 whose container is gone
+        book.apply(f"old{n:02}", "/scratch", parse_resource(resource("GPU-a:0.1").replace(CID, f"{1 if n < 10 else 2:064x}")))
+    p = pipeline(book, telemetry, clock, cgroupfs=cgroup, stale_grace=60.0)
+    clock.now += 120.0
+    first = p.step()
+    assert sum(v.reason == "container-gone" for v in first.liveness.values()) == 20
+    for n in range(3):  # started now, their containers not seen yet
+        book.apply(f"new{n}", "/scratch", parse_resource(resource("GPU-a:0.1").replace(CID, f"{3:064x}")))
+    judged: list[int] = []
+    monkeypatch.setattr(pipeline_module, "classify_kernels",
+                        lambda kernels, *a, **k: judged.append(len(kernels)) or classify_kernels(kernels, *a, **k))
+    assert {p.step().liveness[f"new{n}"].reason for n in range(3)} == {"starting"} and judged == [3]
+    for step in range(6):
+        judged.clear()
+        clock.now += pipeline_module.STALE_CHECK_SECONDS
+        model = p.step()
+        assert sum(judged) == (3 if step < 3 else 0)  # past their grace (60 s) at the third: judged no more
+    assert {model.liveness[f"new{n}"].reason for n in range(3)} == {"container-gone"}
+    assert sum(v.reason == "container-gone" for v in model.liveness.values()) == 23
+
+
 def test_a_kernel_change_judges_only_the_changed_kernels(tmp_path: Path, monkeypatch) -> None:
     """Kernels come, change and go, and containers start and stop, over 2 s steps with a 7 s
     grace: a step that changed a few kernels and no container judges only those (the others keep
@@ -317,7 +349,12 @@ def test_a_kernel_change_judges_only_the_changed_kernels(tmp_path: Path, monkeyp
             assert model.liveness is before.liveness
         else:
             apart += 1
-            assert not started and judged[0] <= len(touched)
-            assert dict(model.liveness) == {kid: every[kid] if kid in touched else before.liveness[kid] for kid in view.kernels}
+            waiting = {kid for kid, v in before.liveness.items() if v.reason == "starting"}
+            assert not started and judged[0] <= len(touched | waiting)
+            for kid in view.kernels:  # time moves only the verdicts of kernels in their grace period
+                if kid in touched or kid not in waiting:
+                    assert model.liveness[kid] == every[kid]
+                else:
+                    assert model.liveness[kid] in (every[kid], before.liveness[kid])
         before = model
     assert apart > 20 and full > 10
