@@ -164,9 +164,10 @@ class AccountingText:
 
     * each family's HELP and TYPE lines are a gzip member of their own, made once in both
       formats: the OpenMetrics form is the same sample members behind other heads;
-    * the share family's samples, and the measured-use families', are kept as members while the
-      mappings they were written from are the same objects (a pass that changed nothing hands
-      out the last ones);
+    * the share family's samples are kept in chunks of neighbouring pairs (:class:`ChunkedText`):
+      a pass that moved a few kernels rewrites their chunks, one that moved none hands out the
+      same mapping and nothing is compared; the measured-use families are kept while the uses
+      are equal;
     * each pair's label text is built once and kept while the pair exists;
     * the ledger's per-pair counters (:class:`~exporter.analysis.model.DrivenCounters`) are
       computed in C loops over lists aligned with the exposition's order, kept while the
@@ -367,11 +368,11 @@ def _pair_text(name: str, found: list, labels: list[str]) -> str:
     """The sample lines of one per-pair family, in the exposition's order (``found``: each pair's
     value, None for a pair it lacks): at 10,000 kernels a render writes tens of thousands of
     them, so the loops run in ``map`` and ``str.join``."""
-    if not found:
-        return ""
     if None in found:  # a family of some pairs only (busy time, energy)
         kept = [(label, value) for label, value in zip(labels, found, strict=True) if value is not None]
         labels, found = [label for label, _ in kept], [value for _, value in kept]
+    if not found:
+        return ""
     # name{labels} value\n, for every pair: the label text and value joined by a space, the lines
     # by a newline and the name.
     return "".join((name, f"\n{name}".join(map(" ".join, zip(labels, float_texts(found), strict=True))), "\n"))

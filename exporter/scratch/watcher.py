@@ -340,9 +340,10 @@ class ScratchWatcher:
                 # replaces it (a mount-table event): a rescan only arms the ones without a watch.
                 with self._lock:
                     armed = {k for r, k in self._kernel_watch if r == root}
-                for kernel_id in self.scanner.book.known(root) - (set() if recheck else armed):
+                known = self.scanner.book.known(root)
+                for kernel_id in known - (set() if recheck else armed):
                     self._arm_kernel(root, kernel_id)
-                self._drop_vanished(root)
+                self._drop_vanished(root, known)
         with self._lock:
             if self._limit_logged and "inotify" not in self._degraded and self._fd is not None:
                 self._limit_logged = False
@@ -378,8 +379,9 @@ class ScratchWatcher:
             if w is not None and not self.scanner.book.holds(kernel_id, root):
                 self._unwatch(w)
 
-    def _drop_vanished(self, root: str) -> None:
-        known = self.scanner.book.known(root)
+    def _drop_vanished(self, root: str, known: set[str]) -> None:
+        """Drop the watches of kernels the book no longer holds (``known``: its kernels of
+        ``root``, as just taken) whose directory went."""
         with self._lock:
             # A kernel not in the book whose directory still exists was just created: the event
             # that armed its watch reads it into the book next. Dropping its watch would lose it.
