@@ -497,7 +497,7 @@ class AnalysisPipeline:
         if changed is None:
             self._judged = (view.version, now)
             return cgroups, verdicts, None
-        self._judged = (view.version, now if due else at)  # the time of the last judgement time could move
+        self._judged = (view.version, now if due else at)  # when the verdicts time moves were last judged
         liveness = dict(before)  # a copy in C, then the changed kernels' verdicts
         for kid in changed:
             liveness.pop(kid, None)
