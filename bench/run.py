@@ -28,6 +28,7 @@ import gzip
 import http.client
 import json
 import random
+import re
 import shutil
 import statistics
 import subprocess
@@ -508,21 +509,16 @@ def render(r: dict, command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-# Sections of BENCHMARKS.md that other benchmarks write (bench/hostile.py, bench/identity_storm.py,
-# bench/scale.py, bench/fleet.py): kept as they are when this suite rewrites its own part.
-_OTHER_SECTIONS = ("## g. ", "## h. ", "## Protocol libraries", "## Identity storm", "## Fleet")
-
-
 def write_report(out: Path, text: str) -> None:
-    """Write this suite's report, keeping the sections other benchmarks own from the old file."""
+    """Write this suite's report, keeping every section of the old file (a ``## `` heading and
+    what follows it) that the report does not write itself: the sections other benchmarks own
+    (bench/hostile.py, bench/scale.py, bench/pipeline_ab.py, ...) and the design notes. A section
+    is the suite's own when its heading's first word is one of the report's (``a.``, ``Targets``)."""
+    own = {line.split()[1] for line in text.splitlines() if line.startswith("## ") and len(line.split()) > 1}
     kept = []
     if out.exists():
-        old = out.read_text()
-        starts = sorted(i for marker in _OTHER_SECTIONS for i in [old.find("\n" + marker)] if i >= 0)
-        for n, start in enumerate(starts):
-            end = next((i for i in [old.find("\n## ", start + 1)] if i >= 0), len(old))
-            end = min(end, starts[n + 1]) if n + 1 < len(starts) else end
-            kept.append(old[start:end].strip("\n"))
+        sections = re.split(r"(?m)^(?=## )", out.read_text())[1:]  # each from its heading to the next
+        kept = [section.strip("\n") for section in sections if section.split()[1] not in own]
     out.write_text(text.rstrip("\n") + ("\n\n" + "\n\n".join(kept) if kept else "") + "\n")
 
 
