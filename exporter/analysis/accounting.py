@@ -429,9 +429,10 @@ class Accountant:
         self._index: _Index | None = None
         # The joule drives of the last result handed out: (per GPU, per unit of share).
         self._shown: tuple[Mapping[str, float], Mapping[str, float]] = ({}, {})
-        # The read-only view of ``_busy`` handed out, the same object while ``_busy`` is: with
-        # the other tables' identities, it tells a renderer that the set of pairs did not move.
-        self._busy_view: tuple[dict[_Pair, float], Mapping[_Pair, float]] = (self._busy, MappingProxyType(self._busy))
+        # The read-only view of ``_busy`` handed out, made where the table is replaced: the same
+        # object while the table is, it tells a renderer (with the other tables' identities) that
+        # the set of pairs did not move.
+        self._busy_view: Mapping[_Pair, float] = MappingProxyType(self._busy)
 
     def update(
         self,
@@ -511,7 +512,7 @@ class Accountant:
             shares=shares,
             kernels=uses,
             allocated_seconds=DrivenCounters(self._alloc_base, self._fracs, seconds),
-            busy_seconds=self._busy_shown(),
+            busy_seconds=self._busy_view,
             energy_joules=DrivenCounters(self._energy_base, self._fracs, per_share),
             device_allocated_seconds=_Counters(self._dev_alloc_base, self._dev_alloc_rates, since, now),
             device_unallocated_seconds=_Counters(self._dev_free_base, self._dev_free_rates, since, now),
@@ -524,11 +525,6 @@ class Accountant:
             measured=flags,
         )
         return self._result
-
-    def _busy_shown(self) -> Mapping[_Pair, float]:
-        if self._busy_view[0] is not self._busy:
-            self._busy_view = (self._busy, MappingProxyType(self._busy))
-        return self._busy_view[1]
 
     def _read_energy(self, snapshot: TelemetrySnapshot, resolver: DeviceResolver) -> None:
         """Adds each GPU's energy since the last read to its joules.
@@ -978,6 +974,7 @@ class Accountant:
         self._dev_unattr_base, self._dev_unattr_rates = dev_unattr, {g: ((g, r),) for g, r in free_rates.items()}
         self._own_energy_base = own_energy
         self._busy, self._dev_busy, self._own_busy = busy, dev_busy, own_busy
+        self._busy_view = MappingProxyType(busy)
         self._owners = step.owners
         self._use_before = measured | step.busy_again | step.mig
         self._joules_at_since = dict(self._joules)

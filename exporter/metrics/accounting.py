@@ -16,7 +16,7 @@ The ledger's counters (per kernel, per GPU, per user and project) are described 
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from itertools import repeat
 from operator import add, itemgetter, mul
 from typing import TYPE_CHECKING
@@ -183,8 +183,10 @@ class AccountingText:
         self._labels: dict[tuple[str, ...], str] = {}  # a GPU's or an owner's label text (a few dozen)
         self._heads: list[tuple[str, bytes, bytes]] | None = None  # per family: name, head members (text, OpenMetrics)
         self._samples: list[bytes] = []  # the last render's samples member per family (b"": no sample)
-        # Members kept while what they were written from is the same: first family -> (sources, members).
-        self._kept: dict[int, tuple[tuple, list[bytes]]] = {}
+        # The share samples' member and the shares it was written from; the measured-use families'
+        # members and the uses they were written from.
+        self._shares: tuple[Mapping | None, bytes] = (None, b"")
+        self._uses: tuple[Mapping | None, list[bytes]] = (None, [])
         # Per-pair counter family -> what its values were aligned from, and the aligned lists.
         self._aligned: dict[int, tuple[tuple, _Aligned | None]] = {}
         self._share_chunks = ChunkedText(1, gzipped=True)  # the share family's samples
@@ -199,7 +201,7 @@ class AccountingText:
         names = [name for name, _, _ in heads]
         order, labels = self._pair_labels(result)
         samples = [self._share_member(names[0], result.shares)]
-        samples += self._kept_members(1, (result.kernels,), lambda: self._use_texts(result, names[1], names[2]))
+        samples += self._use_members(result.kernels, names[1], names[2])
         per_pair = [result.allocated_seconds] + [values for _, _, values in _pair_counters(result)]
         texts = [_pair_text(names[i], self._pair_values(i, counters, order), labels)
                  for i, counters in enumerate(per_pair, start=3)]
@@ -227,36 +229,34 @@ class AccountingText:
             self._heads = [(h.split(b" ", 3)[2].decode(), gzip_member(h), gzip_member(openmetrics_text(h))) for h in heads]
         return self._heads
 
-    def _kept_members(self, family: int, sources: tuple, texts: Callable[[], list[str]]) -> list[bytes]:
-        """The sample members of ``family`` and the ones after it that ``texts`` writes, written
-        again only when one of ``sources`` differs from the last call's (compared in C: a ledger
-        pass that moved a few kernels hands out new mappings of the same uses)."""
-        kept = self._kept.get(family)
-        if kept is None or any(a is not b and a != b for a, b in zip(kept[0], sources, strict=True)):
-            kept = self._kept[family] = (sources, [gzip_member(text.encode()) if text else b"" for text in texts()])
-        return list(kept[1])
-
     def _share_member(self, name: str, shares: Mapping[tuple[str, str], float]) -> bytes:
         """The share family's samples: kept in chunks of neighbouring pairs (:class:`ChunkedText`),
-        so that a pass that moved a few kernels writes and compresses their chunks only."""
-        kept = self._kept.get(0)
-        if kept is None or kept[0][0] is not shares:
+        so that a pass that moved a few kernels writes and compresses their chunks only, and not
+        looked at while the ledger hands out the same mapping."""
+        if self._shares[0] is not shares:
             fmt = float_format()
             pieces = self._share_chunks.render(
                 shares, lambda key, share: (f"{name}{self._pair_label(key)} {fmt(share)}\n".encode(),))[0]
-            kept = self._kept[0] = ((shares,), [b"".join(pieces)])
-        return kept[1][0]
+            self._shares = (shares, b"".join(pieces))
+        return self._shares[1]
 
-    def _use_texts(self, result: Accounting, util_name: str, memory_name: str) -> list[str]:
-        measured = sorted((k, use) for k, use in result.kernels.items()
-                          if use.utilization_ratio is not None or use.memory_ratio is not None)
-        fmt = float_format()
-        return [
-            "".join(f"{util_name}{self._kernel_labels(k)} {fmt(use.utilization_ratio)}\n"
-                    for k, use in measured if use.utilization_ratio is not None),
-            "".join(f"{memory_name}{self._kernel_labels(k)} {fmt(use.memory_ratio)}\n"
-                    for k, use in measured if use.memory_ratio is not None),
-        ]
+    def _use_members(self, uses: Mapping, util_name: str, memory_name: str) -> list[bytes]:
+        """The measured-use families' samples, written again only when the uses differ (compared in
+        C: a ledger pass that moved a few kernels hands out a new mapping of the same uses)."""
+        kept, members = self._uses
+        if kept is None or (kept is not uses and kept != uses):
+            measured = sorted((k, use) for k, use in uses.items()
+                              if use.utilization_ratio is not None or use.memory_ratio is not None)
+            fmt = float_format()
+            texts = [
+                "".join(f"{util_name}{self._kernel_labels(k)} {fmt(use.utilization_ratio)}\n"
+                        for k, use in measured if use.utilization_ratio is not None),
+                "".join(f"{memory_name}{self._kernel_labels(k)} {fmt(use.memory_ratio)}\n"
+                        for k, use in measured if use.memory_ratio is not None),
+            ]
+            members = [gzip_member(text.encode()) if text else b"" for text in texts]
+            self._uses = (uses, members)
+        return list(members)
 
     def _pair_values(self, family: int, values: Mapping[tuple[str, str], float], order: list[tuple[str, str]]) -> list:
         """The family's value of each pair of ``order`` (None: it has none; no value: it has no pair)."""
