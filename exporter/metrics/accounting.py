@@ -25,7 +25,7 @@ from exporter.analysis.model import Accounting, DrivenCounters
 from exporter.metrics.collectors import Inputs, Part, register
 from exporter.metrics.families import counter, escape_label, float_format, float_texts, gauge
 from exporter.metrics.status import Health
-from exporter.metrics.text import ChunkedText, gzip_member, openmetrics_text
+from exporter.metrics.text import EMPTY, ChunkedText, Deflated, deflate, joined, openmetrics_text
 
 if TYPE_CHECKING:
     from prometheus_client.core import Metric
@@ -156,14 +156,14 @@ def accounting_health(result: Accounting | None) -> Health:
 
 class AccountingText:
     """:func:`accounting_families` as exposition text, byte for byte, without prometheus_client's
-    per-sample formatting, as gzip members (see :attr:`~exporter.metrics.collectors.Part.gzipped`).
+    per-sample formatting, compressed (see :attr:`~exporter.metrics.collectors.Part.gzipped`).
 
     The counters move at every analysis pass, so this part is rendered again at nearly every
     scrape: at 10,000 kernels, 12,500 (kernel, GPU) pairs per family. A render writes and
     compresses only what moved since the last one:
 
-    * each family's HELP and TYPE lines are a gzip member of their own, made once in both
-      formats: the OpenMetrics form is the same sample members behind other heads;
+    * each family's HELP and TYPE lines are a compressed piece of their own, made once in both
+      formats: the OpenMetrics form is the same sample pieces behind other heads;
     * the share family's samples are kept in chunks of neighbouring pairs (:class:`ChunkedText`):
       a pass that moved a few kernels rewrites their chunks, one that moved none hands out the
       same mapping and nothing is compared; the measured-use families are kept while the uses
@@ -181,27 +181,27 @@ class AccountingText:
         self._pair_sources: tuple = ()  # the key tables ``_order`` was built from (compared by identity)
         self._kernels: dict[str, str] = {}  # kernel_id -> '{kernel_id="…"}'
         self._labels: dict[tuple[str, ...], str] = {}  # a GPU's or an owner's label text (a few dozen)
-        self._heads: list[tuple[str, bytes, bytes]] | None = None  # per family: name, head members (text, OpenMetrics)
-        self._samples: list[bytes] = []  # the last render's samples member per family (b"": no sample)
-        # The share samples' member and the shares it was written from; the measured-use families'
-        # members and the uses they were written from.
-        self._shares: tuple[Mapping | None, bytes] = (None, b"")
-        self._uses: tuple[Mapping | None, list[bytes]] = (None, [])
+        self._heads: list[tuple[str, Deflated, Deflated]] | None = None  # per family: name, head pieces (text, OpenMetrics)
+        self._samples: list[Deflated] = []  # the last render's samples piece per family (EMPTY: no sample)
+        # The share samples' piece and the shares it was written from; the measured-use families'
+        # pieces and the uses they were written from.
+        self._shares: tuple[Mapping | None, Deflated] = (None, EMPTY)
+        self._uses: tuple[Mapping | None, list[Deflated]] = (None, [])
         # Per-pair counter family -> what its values were aligned from, and the aligned lists.
         self._aligned: dict[int, tuple[tuple, _Aligned | None]] = {}
         self._share_chunks = ChunkedText(1, gzipped=True)  # the share family's samples
 
-    def render(self, result: Accounting | None) -> bytes:
-        """The families' text as gzip members; :meth:`openmetrics` then gives the same render in
+    def render(self, result: Accounting | None) -> Deflated:
+        """The families' text, compressed; :meth:`openmetrics` then gives the same render in
         OpenMetrics 1.0."""
         if result is None:
             self._samples = []
-            return b""
+            return EMPTY
         heads = self._heads_made()
         names = [name for name, _, _ in heads]
         order, labels = self._pair_labels(result)
-        samples = [self._share_member(names[0], result.shares)]
-        samples += self._use_members(result.kernels, names[1], names[2])
+        samples = [self._share_piece(names[0], result.shares)]
+        samples += self._use_pieces(result.kernels, names[1], names[2])
         per_pair = [result.allocated_seconds] + [values for _, _, values in _pair_counters(result)]
         texts = [_pair_text(names[i], self._pair_values(i, counters, order), labels)
                  for i, counters in enumerate(per_pair, start=3)]
@@ -212,24 +212,24 @@ class AccountingText:
         fmt = float_format()
         for j, (label_names, values) in enumerate(rows, start=i):
             texts.append("".join(f"{names[j]}{self._label(label_names, key)} {fmt(v)}\n" for key, v in sorted(values.items())))
-        samples += [gzip_member(text.encode()) if text else b"" for text in texts]
+        samples += [deflate(text.encode()) for text in texts]
         self._samples = samples
         return _joined(heads, samples, 1)
 
-    def openmetrics(self) -> bytes:
-        """The last render in OpenMetrics 1.0 (less ``# EOF``), without ``_created``, as gzip members."""
-        return _joined(self._heads, self._samples, 2) if self._samples else b""
+    def openmetrics(self) -> Deflated:
+        """The last render in OpenMetrics 1.0 (less ``# EOF``), without ``_created``, compressed."""
+        return _joined(self._heads, self._samples, 2) if self._samples else EMPTY
 
-    def _heads_made(self) -> list[tuple[str, bytes, bytes]]:
+    def _heads_made(self) -> list[tuple[str, Deflated, Deflated]]:
         if self._heads is None:
             from exporter.metrics.registry import render_families  # prometheus_client: loaded to render only
 
             heads = [render_families([family]) for family in accounting_families(Accounting())]
             # Samples read the same in both formats; only each family's HELP, TYPE and UNIT lines differ.
-            self._heads = [(h.split(b" ", 3)[2].decode(), gzip_member(h), gzip_member(openmetrics_text(h))) for h in heads]
+            self._heads = [(h.split(b" ", 3)[2].decode(), deflate(h), deflate(openmetrics_text(h))) for h in heads]
         return self._heads
 
-    def _share_member(self, name: str, shares: Mapping[tuple[str, str], float]) -> bytes:
+    def _share_piece(self, name: str, shares: Mapping[tuple[str, str], float]) -> Deflated:
         """The share family's samples: kept in chunks of neighbouring pairs (:class:`ChunkedText`),
         so that a pass that moved a few kernels writes and compresses their chunks only, and not
         looked at while the ledger hands out the same mapping."""
@@ -237,13 +237,13 @@ class AccountingText:
             fmt = float_format()
             pieces = self._share_chunks.render(
                 shares, lambda key, share: (f"{name}{self._pair_label(key)} {fmt(share)}\n".encode(),))[0]
-            self._shares = (shares, b"".join(pieces))
+            self._shares = (shares, joined(pieces))
         return self._shares[1]
 
-    def _use_members(self, uses: Mapping, util_name: str, memory_name: str) -> list[bytes]:
+    def _use_pieces(self, uses: Mapping, util_name: str, memory_name: str) -> list[Deflated]:
         """The measured-use families' samples, written again only when the uses differ (compared in
         C: a ledger pass that moved a few kernels hands out a new mapping of the same uses)."""
-        kept, members = self._uses
+        kept, pieces = self._uses
         if kept is None or (kept is not uses and kept != uses):
             measured = sorted((k, use) for k, use in uses.items()
                               if use.utilization_ratio is not None or use.memory_ratio is not None)
@@ -254,9 +254,9 @@ class AccountingText:
                 "".join(f"{memory_name}{self._kernel_labels(k)} {fmt(use.memory_ratio)}\n"
                         for k, use in measured if use.memory_ratio is not None),
             ]
-            members = [gzip_member(text.encode()) if text else b"" for text in texts]
-            self._uses = (uses, members)
-        return list(members)
+            pieces = [deflate(text.encode()) for text in texts]
+            self._uses = (uses, pieces)
+        return list(pieces)
 
     def _pair_values(self, family: int, values: Mapping[tuple[str, str], float], order: list[tuple[str, str]]) -> list:
         """The family's value of each pair of ``order`` (None: it has none; no value: it has no pair)."""
@@ -359,9 +359,9 @@ def _pair_label_text(key: tuple[str, str]) -> str:
     return f'{{device_id="{escape_label(key[1])}",kernel_id="{escape_label(key[0])}"}}'
 
 
-def _joined(heads: list[tuple[str, bytes, bytes]], samples: list[bytes], form: int) -> bytes:
-    """Each family's head member (``form`` 1: text, 2: OpenMetrics) before its samples member."""
-    return b"".join(piece for head, member in zip(heads, samples, strict=True) for piece in (head[form], member))
+def _joined(heads: list[tuple[str, Deflated, Deflated]], samples: list[Deflated], form: int) -> Deflated:
+    """Each family's head piece (``form`` 1: text, 2: OpenMetrics) before its samples piece."""
+    return joined(piece for head, sample in zip(heads, samples, strict=True) for piece in (head[form], sample))
 
 
 def _pair_text(name: str, found: list, labels: list[str]) -> str:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from exporter.metrics.collectors import Inputs, Part, register
 from exporter.metrics.families import counter, escape_label, float_format, gauge
 from exporter.metrics.status import Health
-from exporter.metrics.text import ChunkedText, gzip_member, openmetrics_text
+from exporter.metrics.text import ChunkedText, Deflated, deflate, joined, openmetrics_text
 from exporter.scratch.allocation import AllocationView, Kernel, KernelState, is_accelerator_slot
 from exporter.scratch.identity import Identity
 from exporter.scratch.resources import SlotKind, slot_kind
@@ -113,14 +113,14 @@ class KernelText:
 
     The book hands out the same immutable :class:`Kernel` object while a kernel is unchanged, so
     a render re-encodes the chunk of neighbouring kernels (:class:`ChunkedText`) a changed kernel
-    is in and hands out the others' text (or gzip members) as they were: after one file changes,
+    is in and hands out the others' text (or compressed pieces) as they were: after one file changes,
     a render encodes a few dozen kernels and compresses a few KiB, at any number of kernels. The
     samples of these gauges read the same in OpenMetrics; only the HELP, TYPE and UNIT lines
     between them differ, so the OpenMetrics form of a render shares its samples' bytes. The text
     equals ``generate_latest`` over :func:`kernel_families` (a test holds them together), and
     the OpenMetrics form :func:`~exporter.metrics.text.openmetrics_text` of it.
 
-    :param gzipped: render (and keep) the text as gzip members only.
+    :param gzipped: render (and keep) the text compressed only (:func:`~exporter.metrics.text.deflate`).
     """
 
     def __init__(self, agent_id: str | None = None, gzipped: bool = False) -> None:
@@ -132,14 +132,15 @@ class KernelText:
         # The first header is written after each render's head; the others never change.
         self._headers = (headers[0], *map(self._pack, headers[1:]))
         self._om_headers = (openmetrics_text(headers[0]), *(self._pack(openmetrics_text(h)) for h in headers[1:]))
-        self._openmetrics = b""
+        self._openmetrics: bytes | Deflated = b""
 
-    def _pack(self, text: bytes) -> bytes:
-        return gzip_member(text) if self._gzipped else text
+    def _pack(self, text: bytes) -> bytes | Deflated:
+        return deflate(text) if self._gzipped else text
 
-    def render(self, view: AllocationView, head: bytes = b"") -> bytes:
-        """The per-kernel families after ``head`` (the text of the families before them), as gzip
-        members if ``gzipped``; :meth:`openmetrics` then gives the same render's OpenMetrics form."""
+    def render(self, view: AllocationView, head: bytes = b"") -> bytes | Deflated:
+        """The per-kernel families after ``head`` (the text of the families before them), as one
+        :class:`~exporter.metrics.text.Deflated` piece if ``gzipped``; :meth:`openmetrics` then
+        gives the same render's OpenMetrics form."""
         fmt = float_format()
         changed = view.changed_since(self._version) if self._version is not None else None
         sections = self._text.render(view.kernels, lambda kid, kernel: _encode(kid, kernel, self._agent_id, fmt), changed)
@@ -148,18 +149,18 @@ class KernelText:
         self._openmetrics = self._join(self._pack(openmetrics_text(head) + self._om_headers[0]), self._om_headers[1:], sections)
         return text
 
-    def openmetrics(self) -> bytes:
+    def openmetrics(self) -> bytes | Deflated:
         """The last render in OpenMetrics 1.0 (less ``# EOF``), in the same encoding. No
         ``_created``: its head's counters are written without."""
         return self._openmetrics
 
-    @staticmethod
-    def _join(first: bytes, headers: Sequence[bytes], sections: list[list[bytes]]) -> bytes:
+    def _join(self, first: bytes | Deflated, headers: Sequence[bytes | Deflated],
+              sections: list[list[bytes | Deflated]]) -> bytes | Deflated:
         pieces = [first, *sections[0]]
         for header, section in zip(headers, sections[1:], strict=True):
             pieces.append(header)
             pieces += section
-        return b"".join(pieces)
+        return joined(pieces) if self._gzipped else b"".join(pieces)
 
 
 def _encode(kernel_id: str, kernel: Kernel, agent_id: str | None, fmt: Callable[[float], str]) -> tuple[bytes, ...]:
@@ -205,7 +206,7 @@ def _scratch(inputs: Inputs) -> list[Part]:
         view = inputs.view()
         return allocation_families(view) + kernel_families(view, inputs.agent_id)
 
-    def text() -> bytes:
+    def text() -> Deflated:
         view = inputs.view()
         from exporter.metrics.registry import render_families  # prometheus_client: loaded to render only
 

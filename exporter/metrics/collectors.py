@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
     from exporter.analysis.model import Analysis
     from exporter.metrics.status import Health
+    from exporter.metrics.text import Deflated
     from exporter.scratch.allocation import AllocationView
     from exporter.scratch.watcher import WatcherStatus
 
@@ -39,8 +40,8 @@ class Part:
     :param text: a faster renderer of the same families as text; None: ``generate_latest``.
     :param health: the verdict of the part's background work (a failed telemetry cycle is
         ``success 0`` even though its families render); None: the render's own success.
-    :param gzipped: ``text`` gives the text as a gzip member, and only that is cached: a plain
-        scrape decompresses it.
+    :param gzipped: ``text`` gives the text compressed (:class:`~exporter.metrics.text.Deflated`),
+        and only that is cached: a plain scrape inflates it.
     :param openmetrics: the OpenMetrics 1.0 form of what the last ``text`` call gave, in the same
         encoding, without ``_created`` samples; None (or ``_created`` on): converted from the text.
     """
@@ -48,10 +49,10 @@ class Part:
     name: str
     families: Callable[[], Iterable[Metric]]
     token: Callable[[], Hashable]
-    text: Callable[[], bytes] | None = None
+    text: Callable[[], bytes | Deflated] | None = None
     health: Callable[[], Health] | None = None
     gzipped: bool = False
-    openmetrics: Callable[[], bytes] | None = None
+    openmetrics: Callable[[], bytes | Deflated] | None = None
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,6 @@ docs/metrics.md. Kept out of ``web/`` so the command line prints them without th
 
 from __future__ import annotations
 
-import gzip
 import io
 import json
 import threading
@@ -14,7 +13,7 @@ from decimal import Decimal
 from typing import Any
 
 from exporter.analysis.model import NodeState
-from exporter.metrics.text import ChunkedText
+from exporter.metrics.text import ChunkedText, Deflated, inflate
 from exporter.scratch.allocation import AllocationView, Kernel
 
 __all__ = ["StateText", "json_bytes", "json_default", "state_document"]
@@ -45,7 +44,7 @@ class StateText:
     """:func:`state_document` as JSON text, each kernel's entry encoded again only when its
     kernel changed, and kept only compressed between requests.
 
-    The entries are kept per chunk of neighbouring kernels as gzip members
+    The entries are kept per chunk of neighbouring kernels, compressed
     (:class:`~exporter.metrics.text.ChunkedText`, with weak references to the kernels, so that
     ended kernels are not kept alive until the next request): a document after a change encodes
     that kernel's chunk and inflates the rest (10,000 kernels: a 7.3 MiB document, its entries
@@ -55,7 +54,7 @@ class StateText:
     :meth:`render` hands out a read-only :class:`memoryview` of the document and keeps a weak
     reference to it, with the view's version and node state it was built from: while a response
     is still writing that document, another request for the same version gets the same object
-    (the server counts one body once against its held-bytes budget). The members are inflated
+    (the server counts one body once against its held-bytes budget). The pieces are inflated
     into one :class:`io.BytesIO`, whose buffer becomes the document without a copy, so a
     render's peak is the document and one chunk. The bytes equal ``json.dumps(state_document(...),
     indent=1)`` and a newline (a test holds them together).
@@ -77,22 +76,22 @@ class StateText:
             if document is None:
                 self._last = None
                 changed = view.changed_since(self._version) if self._version is not None else None
-                members = self._entries.render(view.kernels, _entry, changed)[0]
+                pieces = self._entries.render(view.kernels, _entry, changed)[0]
                 self._version = view.version
-                document = memoryview(_document(view, roots, node, members))  # of bytes: read-only
+                document = memoryview(_document(view, roots, node, pieces))  # of bytes: read-only
                 self._last = (key, weakref.ref(document))
             return document
 
 
-def _document(view: AllocationView, roots: list[str], node: NodeState | None, members: list[bytes]) -> bytes:
+def _document(view: AllocationView, roots: list[str], node: NodeState | None, pieces: list[Deflated]) -> bytes:
     head = json.dumps({**_head(view, roots, node), "kernels": []}, indent=1, default=json_default)
-    if not members:
+    if not pieces:
         return (head + "\n").encode()
     out = io.BytesIO()
     # "kernels" is the last key, so the head ends with its empty list: write the entries there.
     out.write((head[: -len("[]\n}")] + "[\n").encode())
-    for n, member in enumerate(members):
-        entries = gzip.decompress(member)
+    for n, piece in enumerate(pieces):
+        entries = inflate(piece)
         out.write(memoryview(entries)[len(_SEP):] if n == 0 else entries)  # no separator before the first
     out.write(b"\n ]\n}\n")
     # getvalue() trims BytesIO's buffer in place and hands it over (no export of it is open):

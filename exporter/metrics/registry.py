@@ -19,7 +19,6 @@ for it.
 from __future__ import annotations
 
 import dataclasses
-import gzip
 import logging
 import threading
 import time
@@ -32,7 +31,7 @@ from prometheus_client.registry import Collector
 
 from exporter.metrics.collectors import Part
 from exporter.metrics.status import Health, PartStatus, status_families
-from exporter.metrics.text import OPENMETRICS_EOF, CreatedTimes, gzip_member, openmetrics_text
+from exporter.metrics.text import OPENMETRICS_EOF, CreatedTimes, Deflated, deflate, gzip_body, inflate, openmetrics_text
 
 __all__ = ["ExporterCollector", "merge", "render_families"]
 
@@ -53,23 +52,23 @@ def merge(families: Iterable[Metric]) -> list[Metric]:
 @dataclass(frozen=True, slots=True)
 class _Cached:
     """One render of a part: its text format 0.0.4 and, once asked for, its OpenMetrics form
-    (``om_*``), each kept as plain text and gzip member, or as the member alone."""
+    (``om_*``), each kept as plain text and compressed piece, or as the piece alone."""
 
     token: Hashable
-    text: bytes | None  # None for a part that gives a gzip member (Part.gzipped)
-    gzipped: bytes | None  # else computed on the first gzip request
+    text: bytes | None  # None for a part that gives a compressed piece (Part.gzipped)
+    gzipped: Deflated | None  # else computed on the first gzip request
     duration_seconds: float  # the render that produced the text
     rendered_at: float  # unix time of that render: the part's last successful run
     # The OpenMetrics form, made from the text on the first request for it; a gzipped part keeps
-    # only its gzip member (om_text None), as it does for the text.
+    # only its piece (om_text None), as it does for the text.
     om_text: bytes | None = None
-    om_gzipped: bytes | None = None
+    om_gzipped: Deflated | None = None
 
     def plain(self, openmetrics: bool = False) -> bytes:
-        text, member = (self.om_text, self.om_gzipped) if openmetrics else (self.text, self.gzipped)
-        return text if text is not None else gzip.decompress(member)
+        text, piece = (self.om_text, self.om_gzipped) if openmetrics else (self.text, self.gzipped)
+        return text if text is not None else inflate(piece)
 
-    def held(self, openmetrics: bool, gzipped: bool) -> bytes | None:
+    def held(self, openmetrics: bool, gzipped: bool) -> bytes | Deflated | None:
         """The bytes of one form in one encoding if they are kept, else None."""
         if openmetrics:
             return self.om_gzipped if gzipped else self.om_text
@@ -80,9 +79,9 @@ class _Cached:
         return not openmetrics or self.om_text is not None or self.om_gzipped is not None
 
     @property
-    def source(self) -> bytes:
+    def source(self) -> bytes | Deflated:
         """What this render of the part produced, the same object in either encoding: its text,
-        or its gzip member for a part that gives only that."""
+        or its piece for a part that gives only that."""
         return self.text if self.text is not None else self.gzipped
 
 
@@ -92,13 +91,13 @@ class _Body:
     for a part that failed) and every status row (the same for both formats: the OpenMetrics form
     of a part is made from its text)."""
 
-    sources: tuple[bytes | None, ...]
+    sources: tuple[bytes | Deflated | None, ...]
     rows: tuple[PartStatus, ...]
     body: bytes
 
-    def joins(self, sources: list[bytes | None], rows: list[PartStatus]) -> bool:
+    def joins(self, sources: list[bytes | Deflated | None], rows: list[PartStatus]) -> bool:
         """Whether it is the body of these sources and rows (sources compared by identity: the
-        same render of a part is the same bytes object)."""
+        same render of a part is the same object)."""
         return (len(sources) == len(self.sources) and all(a is b for a, b in zip(sources, self.sources, strict=True))
                 and tuple(rows) == self.rows)
 
@@ -123,14 +122,16 @@ class ExporterCollector(Collector):
 
     Parts are independent, so adding one (telemetry, headroom, attribution) never touches this
     class. :meth:`render` renders each part only when its token changed and serves the rest from
-    cached text (plain and gzip, or gzip alone: :attr:`Part.gzipped`): the per-kernel families
+    cached text (plain and compressed, or compressed alone: :attr:`Part.gzipped`): the per-kernel families
     are most of the exposition and of its render time, and they change only with the scratch
     tree, not every telemetry sample.
 
     The body of each format and encoding is joined once per render and then handed out as that
     same bytes object to every scrape until a part or a status row changes (then it is dropped):
     a scrape costs no copy of the exposition, however many clients are still being sent it, and
-    a plain scrape decompresses a gzip-only part once per render, not once per request.
+    a plain scrape inflates a compressed-only part once per render, not once per request. A gzip
+    body is one gzip member: the parts' compressed pieces and the status families' joined
+    (:func:`~exporter.metrics.text.gzip_body`), with no part compressed again.
 
     :param parts: the parts, in exposition order; their names are the ``collector`` label values.
     :param clock: unix time, for the last-success timestamp of parts that report none themselves.
@@ -170,8 +171,8 @@ class ExporterCollector(Collector):
         return merge([*families, *status_families(rows)])
 
     def render(self, gzipped: bool = False, openmetrics: bool = False) -> bytes:
-        """The exposition in text format 0.0.4, or in OpenMetrics 1.0 (gzip members concatenated
-        when ``gzipped``)."""
+        """The exposition in text format 0.0.4, or in OpenMetrics 1.0 (one gzip member when
+        ``gzipped``)."""
         with self._lock:
             body = self._render(gzipped, openmetrics=openmetrics)
         assert body is not None  # it may decompress
@@ -182,8 +183,8 @@ class ExporterCollector(Collector):
         else None, never waiting: None also while a render runs. What the serving loop calls; a
         None sends the request to a thread that renders. The body of an unchanged render is
         handed out as is; after a change it is joined once here, a copy of bytes at hand. What
-        takes longer is left to the render thread: a plain body that needs a gzip-only part
-        decompressed, and a part's OpenMetrics form not made yet."""
+        takes longer is left to the render thread: a plain body that needs a compressed-only part
+        inflated, and a part's OpenMetrics form not made yet."""
         if not self._lock.acquire(blocking=False):
             return None
         try:
@@ -200,7 +201,7 @@ class ExporterCollector(Collector):
             self._lock.release()
 
     def _render(self, gzipped: bool, decompress: bool = True, openmetrics: bool = False) -> bytes | None:
-        """The body in one format and encoding; None if it would have to decompress a part and may not."""
+        """The body in one format and encoding; None if it would have to inflate a part and may not."""
         cached_parts: list[_Cached | None] = []
         rows: list[PartStatus] = []
         for part in self._parts:
@@ -210,8 +211,8 @@ class ExporterCollector(Collector):
                 if openmetrics and not cached.has(True):
                     cached = self._openmetrics(part, cached)
                 if gzipped and cached.held(openmetrics, True) is None:
-                    member = gzip_member(cached.plain(openmetrics))
-                    cached = dataclasses.replace(cached, **{"om_gzipped" if openmetrics else "gzipped": member})
+                    piece = deflate(cached.plain(openmetrics))
+                    cached = dataclasses.replace(cached, **{"om_gzipped" if openmetrics else "gzipped": piece})
                     self._cache[part.name] = cached
                 health = self._health(part)
             except Exception:
@@ -236,8 +237,8 @@ class ExporterCollector(Collector):
         tail = render_families(status_families(rows))
         if openmetrics:
             tail = openmetrics_text(tail) + OPENMETRICS_EOF
-        pieces.append(gzip_member(tail) if gzipped else tail)
-        body = b"".join(pieces)
+        pieces.append(deflate(tail) if gzipped else tail)
+        body = gzip_body(pieces) if gzipped else b"".join(pieces)
         self._bodies[(openmetrics, gzipped)] = _Body(tuple(sources), tuple(rows), body)
         return body
 
@@ -251,7 +252,7 @@ class ExporterCollector(Collector):
                 created = self._created.setdefault(part.name, CreatedTimes())
             form = openmetrics_text(cached.plain(), created, cached.rendered_at)
             if cached.text is None:
-                form = gzip_member(form)
+                form = deflate(form)
         cached = dataclasses.replace(cached, **{"om_gzipped" if cached.text is None else "om_text": form})
         self._cache[part.name] = cached
         return cached
@@ -262,8 +263,8 @@ class ExporterCollector(Collector):
         if cached is None or cached.token != token:
             start = time.perf_counter()
             text = part.text() if part.text is not None else render_families(list(part.families()))
-            plain, member = (None, text) if part.gzipped else (text, None)
-            cached = _Cached(token, plain, member, time.perf_counter() - start, self._clock())
+            plain, piece = (None, text) if part.gzipped else (text, None)
+            cached = _Cached(token, plain, piece, time.perf_counter() - start, self._clock())
             self._cache[part.name] = cached
         return cached
 

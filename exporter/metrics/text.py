@@ -1,5 +1,5 @@
-"""Exposition text kept as bytes: gzip members, text kept in chunks of per-key segments, and the
-OpenMetrics 1.0 form of text format 0.0.4.
+"""Exposition text kept as bytes: compressed pieces that join into one gzip stream, text kept in
+chunks of per-key segments, and the OpenMetrics 1.0 form of text format 0.0.4.
 
 Nothing here needs prometheus_client, so the JSON routes use it too, and importing it costs the
 exporter's start nothing.
@@ -7,22 +7,102 @@ exporter's start nothing.
 
 from __future__ import annotations
 
-import gzip
 import re
+import struct
 import weakref
 from bisect import bisect_right, insort
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from types import ModuleType
 from typing import TypeVar
 
-__all__ = ["OPENMETRICS_EOF", "ChunkedText", "CreatedTimes", "gzip_member", "openmetrics_text"]
+__all__ = ["EMPTY", "OPENMETRICS_EOF", "ChunkedText", "CreatedTimes", "Deflated", "deflate", "gzip_body", "inflate",
+           "joined", "openmetrics_text"]
 
 T = TypeVar("T")
 
 
-def gzip_member(text: bytes) -> bytes:
-    """``text`` as one gzip member; members concatenated are one gzip stream (RFC 1952). Level 1:
-    nearly level 6's size in well under half its time (BENCHMARKS.md, figures behind design decisions)."""
-    return gzip.compress(text, compresslevel=1)
+@dataclass(frozen=True, slots=True)
+class Deflated:
+    """Text compressed into raw deflate blocks (RFC 1951) that are not the stream's last and end on
+    a byte boundary (a sync flush), with the text's CRC-32 and size: pieces concatenated are one
+    deflate stream, and :func:`gzip_body` frames them as one gzip member (RFC 1952).
+
+    A body is then one member, which every gzip reader takes whole. Members concatenated (what
+    each part kept before) are valid gzip too, but libcurl (``curl --compressed``) and some
+    browsers stop after the first one. False when it holds no text.
+    """
+
+    data: bytes
+    crc: int  # CRC-32 of the text
+    size: int  # bytes of text
+
+    def __bool__(self) -> bool:
+        return self.size > 0
+
+
+EMPTY = Deflated(b"", 0, 0)
+# A gzip member's head: deflate, no name, no mtime (0: a body says nothing of when it was made),
+# no extra flags, OS unknown (255).
+_GZIP_HEAD = b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\xff"
+# The last block of every body: a final, empty block with the fixed codes (BFINAL 1, BTYPE 01,
+# then end-of-block), two bytes.
+_LAST_BLOCK = b"\x03\x00"
+
+
+def _isal() -> ModuleType:
+    """python-isal's zlib module, loaded by the first render (after readiness)."""
+    from isal import isal_zlib
+
+    return isal_zlib
+
+
+def deflate(text: bytes) -> Deflated:
+    """``text`` as a :class:`Deflated` piece. ISA-L's level 1 (python-isal): ~5 times zlib's
+    level 1 speed on exposition text, and smaller output (BENCHMARKS.md, figures behind design
+    decisions)."""
+    if not text:
+        return EMPTY
+    z = _isal()
+    compressor = z.compressobj(1, z.DEFLATED, -15)  # -15: raw deflate, a 32 KiB window
+    return Deflated(compressor.compress(text) + compressor.flush(z.Z_SYNC_FLUSH), z.crc32(text), len(text))
+
+
+def joined(pieces: Iterable[Deflated]) -> Deflated:
+    """Pieces as one piece: their data concatenated, the CRC-32s combined without the text."""
+    pieces = [piece for piece in pieces if piece]
+    if len(pieces) < 2:
+        return pieces[0] if pieces else EMPTY
+    crc, size = _combined(pieces)
+    return Deflated(b"".join(piece.data for piece in pieces), crc, size)
+
+
+def gzip_body(pieces: Iterable[Deflated]) -> bytes:
+    """Pieces as one gzip member: a head, their deflate blocks, a final empty block, the trailer
+    (CRC-32 and size modulo 2**32, little-endian)."""
+    pieces = [piece for piece in pieces if piece]
+    crc, size = _combined(pieces)
+    return b"".join((_GZIP_HEAD, *(piece.data for piece in pieces), _LAST_BLOCK, struct.pack("<II", crc, size & 0xFFFFFFFF)))
+
+
+def _combined(pieces: list[Deflated]) -> tuple[int, int]:
+    """The CRC-32 and size of the pieces' texts one after another (crc32_combine: from the
+    pieces' CRCs and sizes alone, in O(log size) each)."""
+    if not pieces:
+        return 0, 0
+    combine = _isal().crc32_combine
+    crc, size = pieces[0].crc, pieces[0].size
+    for piece in pieces[1:]:
+        crc, size = combine(crc, piece.crc, piece.size), size + piece.size
+    return crc, size
+
+
+def inflate(piece: Deflated) -> bytes:
+    """The text of a piece."""
+    if not piece:
+        return b""
+    z = _isal()
+    return z.decompressobj(-15).decompress(piece.data)  # no final block: a one-shot decompress would refuse it
 
 
 class ChunkedText:
@@ -32,8 +112,7 @@ class ChunkedText:
     Each section's text is every key's segment in that section, in key order. The keys are kept
     in chunks of about ``chunk_keys`` neighbours (bounded by their first keys, as a B-tree's
     leaves are, so a new key joins the chunk it sorts into and the others keep their contents);
-    each chunk keeps its own text per section, or that text as a gzip member, and members
-    concatenated are one gzip stream (RFC 1952). After one key changes a render re-encodes one
+    each chunk keeps its own text per section, or that text as a :class:`Deflated` piece. After one key changes a render re-encodes one
     chunk and hands out the same bytes objects for the rest: the cost of a change is one chunk's,
     not the whole text's, at any number of keys.
 
@@ -44,8 +123,8 @@ class ChunkedText:
     Not thread-safe: the caller serialises renders.
 
     :param sections: segments per key (a key with nothing in a section encodes ``b""`` there).
-    :param gzipped: keep (and hand out) each chunk's sections as gzip members
-        (:func:`gzip_member`): an order of magnitude smaller than the text.
+    :param gzipped: keep (and hand out) each chunk's sections as :class:`Deflated` pieces
+        (:func:`deflate`): an order of magnitude smaller than the text.
     :param weak: keep weak references to the objects a chunk was encoded from, not the objects:
         for a renderer called rarely, which must not keep ended objects alive until its next call.
     :param chunk_keys: the chunk size aimed at. A chunk is split past twice this and merged into
@@ -66,9 +145,9 @@ class ChunkedText:
         self._keys: set[str] = set()  # every key of the last render
 
     def render(self, objects: Mapping[str, T], encode: Callable[[str, T], Sequence[bytes]],
-               changed: Collection[str] | None = None) -> list[list[bytes]]:
-        """Per section, its pieces in key order (gzip members if ``gzipped``; empty ones left out):
-        ``b"".join`` of a section's pieces is its text or gzip stream.
+               changed: Collection[str] | None = None) -> list[list[bytes | Deflated]]:
+        """Per section, its pieces in key order (:class:`Deflated` if ``gzipped``; empty ones left
+        out): ``b"".join`` (or :func:`joined`) of a section's pieces is its text (or its piece).
 
         :param objects: key -> the object its segments are encoded from.
         :param encode: ``(key, object)`` -> its segment in each section.
@@ -152,7 +231,7 @@ class ChunkedText:
         pieces = []
         for s in range(self._sections):
             text = b"".join(seg[s] for seg in segments)
-            pieces.append(gzip_member(text) if self._gzipped and text else text)
+            pieces.append(deflate(text) if self._gzipped else text)
         chunk.objects, chunk.pieces = list(map(weakref.ref, current)) if self._weak else current, pieces
 
 
@@ -161,14 +240,14 @@ _dereference = weakref.ref.__call__
 
 class _Chunk:
     """Neighbouring keys (sorted), the objects their text was encoded from, and that text per
-    section (or its gzip member)."""
+    section (or its :class:`Deflated` piece)."""
 
     __slots__ = ("keys", "objects", "pieces")
 
     def __init__(self, keys: list[str]) -> None:
         self.keys = keys
         self.objects: list | None = None  # None: not encoded yet
-        self.pieces: list[bytes] = []
+        self.pieces: list[bytes | Deflated] = []
 
 
 # -- OpenMetrics ---------------------------------------------------------------------------------

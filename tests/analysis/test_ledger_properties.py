@@ -12,7 +12,6 @@ passes come at any interval. At every pass, per GPU and to 1e-9:
 
 from __future__ import annotations
 
-import gzip
 import random
 from dataclasses import dataclass, field
 from decimal import Decimal
@@ -373,6 +372,7 @@ def test_an_unchanged_unmeasured_node_publishes_in_constant_time_and_its_energy_
     fail = {"what": "attribution"}
     from exporter.metrics.accounting import AccountingText, accounting_families
     from exporter.metrics.registry import render_families
+    from exporter.metrics.text import inflate
 
     text = AccountingText()
     first = account(acc, sim, fail)
@@ -386,7 +386,7 @@ def test_an_unchanged_unmeasured_node_publishes_in_constant_time_and_its_energy_
         assert out.shares is first.shares  # the fast path: nothing was walked
         check(out, books, sim.now, None)
         # The renderer keeps what it derived from the same tables; the counters it writes move.
-        assert gzip.decompress(text.render(out)) == render_families(accounting_families(out))
+        assert inflate(text.render(out)) == render_families(accounting_families(out))
 
 
 def test_the_ledger_text_is_what_prometheus_client_writes() -> None:
@@ -394,6 +394,7 @@ def test_the_ledger_text_is_what_prometheus_client_writes() -> None:
     also as kernels, GPUs and owners come and go (its label caches follow)."""
     from exporter.metrics.accounting import AccountingText, accounting_families
     from exporter.metrics.registry import render_families
+    from exporter.metrics.text import inflate
 
     sim = Sim(random.Random(5))
     clock = Clock()
@@ -404,10 +405,10 @@ def test_the_ledger_text_is_what_prometheus_client_writes() -> None:
         sim.advance(sim.rng.choice(INTERVALS[1:4]))
         clock.now = sim.now
         out = account(acc, sim, fail)
-        assert gzip.decompress(text.render(out)) == render_families(accounting_families(out))
+        assert inflate(text.render(out)) == render_families(accounting_families(out))
     odd = Accounting(owner_busy_seconds={('u"1\\', "p\n"): 1.5}, device_busy_seconds={'G"\\': 2.0}, measured={'G"\\': True})
-    assert gzip.decompress(text.render(odd)) == render_families(accounting_families(odd))
-    assert b"gpu_alloc_user_energy_joules_total" in gzip.decompress(text.render(out))
+    assert inflate(text.render(odd)) == render_families(accounting_families(odd))
+    assert b"gpu_alloc_user_energy_joules_total" in inflate(text.render(out))
 
 
 def test_a_pass_between_samples_loses_no_busy_time() -> None:

@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families as parse_tex
 
 from exporter.metrics import registry
 from exporter.metrics.registry import ExporterCollector, Part, render_families
-from exporter.metrics.text import OPENMETRICS_EOF, CreatedTimes, gzip_member, negotiate, openmetrics_text
+from exporter.metrics.text import OPENMETRICS_EOF, CreatedTimes, Deflated, deflate, negotiate, openmetrics_text
 
 GOLDENS = sorted(GOLDEN.glob("*.prom"))
 
@@ -122,8 +122,8 @@ def _collector(version: dict[str, int], **kwargs) -> ExporterCollector:
         family.add_metric(["/scratch"], version["n"])
         return [family]
 
-    def big() -> bytes:  # kept as a gzip member only, as the scratch part is
-        return gzip_member(render_families([GaugeMetricFamily("gpu_alloc_big_bytes", "big", value=2 ** 20)]))
+    def big() -> Deflated:  # kept compressed only, as the scratch part is
+        return deflate(render_families([GaugeMetricFamily("gpu_alloc_big_bytes", "big", value=2 ** 20)]))
 
     return ExporterCollector([
         Part("big", list, lambda: 0, big, gzipped=True),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import re
 import subprocess
+import zlib
 from decimal import Decimal
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from exporter.metrics.allocation import KernelText, allocation_families, kernel_
 from exporter.metrics.exporter import build_info, watcher_families
 from exporter.metrics.registry import ExporterCollector, Part, render_families
 from exporter.metrics.status import Health
-from exporter.metrics.text import ChunkedText, gzip_member, openmetrics_text
+from exporter.metrics.text import ChunkedText, Deflated, deflate, gzip_body, inflate, joined, openmetrics_text
 from exporter.scratch.allocation import AllocationBook
 from exporter.scratch.reader import Scanner, ScanStats
 from exporter.scratch.watcher import WatcherStatus
@@ -161,13 +162,13 @@ def test_kernel_text_equals_prometheus_client_output(rows) -> None:
     book = AllocationBook(clock=lambda: 0.0)
     for kernel_id, device_id, slot, amount in rows:
         book.apply(kernel_id + '"\\\n', "/r", ResourceSpec((Allocation(slot, device_id + '"\\\n', amount),), (), None))
-    text, member = KernelText(), KernelText(gzipped=True)
+    text, packed = KernelText(), KernelText(gzipped=True)
     assert text.render(book.view()) == render_families(kernel_families(book.view()))
-    assert gzip.decompress(member.render(book.view())) == render_families(kernel_families(book.view()))
+    assert inflate(packed.render(book.view())) == render_families(kernel_families(book.view()))
     if rows:  # and after a change, from the cache
         book.remove(rows[0][0] + '"\\\n')
         assert text.render(book.view()) == render_families(kernel_families(book.view()))
-        assert gzip.decompress(member.render(book.view())) == render_families(kernel_families(book.view()))
+        assert inflate(packed.render(book.view())) == render_families(kernel_families(book.view()))
 
 
 class _Obj:
@@ -190,7 +191,7 @@ def _segments(key: str, obj: _Obj) -> tuple[bytes, ...]:
 def test_chunked_text_equals_encoding_everything_again(gzipped, chunk_keys, steps, told) -> None:
     """Keys come, change (a new object, same value or not) and go between renders, in numbers
     that split, merge and empty chunks; each render equals every key encoded afresh, in key
-    order, whatever was kept from the last one (plain or as gzip members)."""
+    order, whatever was kept from the last one (plain or compressed)."""
     chunked, objects = ChunkedText(3, gzipped=gzipped, chunk_keys=chunk_keys), {}
     for n, step in enumerate([[], *steps]):
         for key, value in step:
@@ -204,8 +205,8 @@ def test_chunked_text_equals_encoding_everything_again(gzipped, chunk_keys, step
         sections = chunked.render(dict(objects), _segments, changed)
         assert len(sections) == 3
         for s, pieces in enumerate(sections):
-            joined = b"".join(pieces)
-            assert (gzip.decompress(joined) if gzipped else joined) == b"".join(seg[s] for seg in full), (n, s)
+            text = inflate(joined(pieces)) if gzipped else b"".join(pieces)
+            assert text == b"".join(seg[s] for seg in full), (n, s)
         assert all(len(c.keys) <= 2 * chunk_keys for c in chunked._chunks)
 
 
@@ -249,7 +250,7 @@ def test_kernel_text_openmetrics_form_is_the_conversion_of_its_text() -> None:
     gone = iter(["k007", "k070", "k140", "k149"])
     for gzipped in (False, True):
         kt = KernelText(gzipped=gzipped)
-        unpack = gzip.decompress if gzipped else bytes
+        unpack = inflate if gzipped else bytes
         for _ in range(2):  # the first render, then one after a kernel went
             text = unpack(kt.render(book.view(), head))
             assert text == head + render_families(kernel_families(book.view()))
@@ -268,12 +269,12 @@ def test_render_cached_answers_only_from_current_text_and_never_waits() -> None:
     version = {"small": 0}
     calls = []
 
-    def member() -> bytes:
+    def big() -> Deflated:
         calls.append(1)
-        return gzip_member(render_families([GaugeMetricFamily("gpu_alloc_big", "a value", value=1)]))
+        return deflate(render_families([GaugeMetricFamily("gpu_alloc_big", "a value", value=1)]))
 
     collector = ExporterCollector([
-        Part("big", list, lambda: 0, member, gzipped=True),  # kept as a gzip member only
+        Part("big", list, lambda: 0, big, gzipped=True),  # kept compressed only
         Part("small", lambda: [GaugeMetricFamily("gpu_alloc_small", "a value", value=version["small"])], lambda: version["small"]),
         Part("flaky", lambda: 1 / 0, lambda: 0),
     ], clock=lambda: 1.7e9)
@@ -283,7 +284,7 @@ def test_render_cached_answers_only_from_current_text_and_never_waits() -> None:
     collector = ExporterCollector(collector._parts[:2], clock=lambda: 1.7e9)
     rendered = collector.render(gzipped=True)
     assert _no_durations(gzip.decompress(collector.render_cached(gzipped=True))) == _no_durations(gzip.decompress(rendered))
-    assert collector.render_cached(gzipped=False) is None  # plain would decompress "big": not on the loop
+    assert collector.render_cached(gzipped=False) is None  # plain would inflate "big": not on the loop
     version["small"] = 1
     assert collector.render_cached(gzipped=True) is None  # a part changed
     collector.render(gzipped=True)
@@ -293,16 +294,48 @@ def test_render_cached_answers_only_from_current_text_and_never_waits() -> None:
     assert len(calls) == 2  # rendered by the two collectors, never by render_cached
 
 
-def test_a_gzipped_part_is_cached_as_its_gzip_member_and_decompressed_for_a_plain_scrape() -> None:
+def test_a_gzipped_part_is_cached_compressed_and_inflated_for_a_plain_scrape() -> None:
     calls = []
 
-    def member() -> bytes:
+    def piece() -> Deflated:
         calls.append(1)
-        return gzip_member(render_families([build_info("agent-1")]))
+        return deflate(render_families([build_info("agent-1")]))
 
     plain = ExporterCollector([Part("build", lambda: [build_info("agent-1")], lambda: 0)], clock=lambda: 1.7e9)
-    packed = ExporterCollector([Part("build", lambda: [build_info("agent-1")], lambda: 0, member, gzipped=True)],
+    packed = ExporterCollector([Part("build", lambda: [build_info("agent-1")], lambda: 0, piece, gzipped=True)],
                                clock=lambda: 1.7e9)
     assert _no_durations(packed.render()) == _no_durations(plain.render())
     assert _no_durations(gzip.decompress(packed.render(gzipped=True))) == _no_durations(plain.render())
-    assert len(calls) == 1  # rendered once, served plain and gzip from the one member
+    assert len(calls) == 1  # rendered once, served plain and gzip from the one piece
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.binary(max_size=3000) | st.sampled_from([b"", b"\n" * 70000]), max_size=8), st.integers(0, 3))
+def test_pieces_join_into_one_gzip_member(texts, split) -> None:
+    """Pieces, joined in any grouping (a part's chunks, then the parts), make one gzip member: a
+    reader that stops after the first member (libcurl) still reads every byte, and the trailer's
+    CRC-32 and size are checked (by ``gzip.decompress``)."""
+    pieces = [deflate(text) for text in texts]
+    grouped = [joined(pieces[:split]), *pieces[split:]]  # as KernelText joins its chunks first
+    body = gzip_body(grouped)
+    one = zlib.decompressobj(wbits=31)  # gzip, one member
+    assert one.decompress(body) == b"".join(texts) and one.eof and one.unused_data == b""
+    assert gzip.decompress(body) == b"".join(texts)
+    assert inflate(joined(grouped)) == b"".join(texts)
+    assert bool(joined(pieces)) == any(texts)
+
+
+def test_a_gzip_body_is_one_member_of_every_part() -> None:
+    """Compressed parts, plain parts and the status families: one gzip member, as ``curl
+    --compressed`` reads it (libcurl takes the first member only)."""
+    collector = ExporterCollector([
+        Part("big", list, lambda: 0, lambda: deflate(render_families([build_info("agent-1")])), gzipped=True),
+        Part("small", lambda: [GaugeMetricFamily("gpu_alloc_small", "a value", value=1)], lambda: 0),
+    ], clock=lambda: 1.7e9)
+    for openmetrics in (False, True):
+        body = collector.render(gzipped=True, openmetrics=openmetrics)
+        one = zlib.decompressobj(wbits=31)
+        text = one.decompress(body)
+        assert one.eof and one.unused_data == b""
+        assert _no_durations(text) == _no_durations(collector.render(openmetrics=openmetrics))
+        assert b"gpu_alloc_build_info" in text and b"gpu_alloc_small 1.0" in text and b"gpu_alloc_collector_success" in text
