@@ -379,7 +379,7 @@ class ScratchWatcher:
             if w is not None and not self.scanner.book.holds(kernel_id, root):
                 self._unwatch(w)
 
-    def _drop_vanished(self, root: str, known: set[str]) -> None:
+    def _drop_vanished(self, root: str, known: frozenset[str]) -> None:
         """Drop the watches of kernels the book no longer holds (``known``: its kernels of
         ``root``, as just taken) whose directory went."""
         with self._lock:

@@ -127,11 +127,11 @@ def test_the_accounting_text_is_what_prometheus_client_writes() -> None:
     from exporter.metrics.registry import render_families
     from exporter.metrics.text import inflate, openmetrics_text
 
-    odd = 'k-"quoted"\\back\nline'
+    odd = 'k-"quoted"\\back\nline %s 100%'  # escapes, and the renderer's own template's marks
     result = Accounting(
         shares={("k1", "GPU-a"): 0.5, (odd, "GPU-b"): 1.0},
         kernels={"k1": KernelUse(0.25, None), odd: KernelUse(None, 1.0), "k3": KernelUse(None, None)},
-        allocated_seconds={("k1", "GPU-a"): 12.5, (odd, "GPU-b"): 3.0, ("gone", "GPU-a"): 7.0},
+        allocated_seconds={("k1", "GPU-a"): 12.5, (odd, "GPU-b"): 3_456_789.5, ("gone", "GPU-a"): 7.0},  # Go's exponent
         busy_seconds={("k1", "GPU-a"): 1e-9},
     )
     moved = dataclasses.replace(result, shares={("k1", "GPU-a"): 0.25, (odd, "GPU-b"): 1.0})
