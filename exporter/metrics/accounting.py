@@ -25,7 +25,7 @@ from exporter.analysis.model import Accounting, DrivenCounters
 from exporter.metrics.collectors import Inputs, Part, register
 from exporter.metrics.families import counter, escape_label, float_format, float_texts, gauge
 from exporter.metrics.status import Health
-from exporter.metrics.text import EMPTY, ChunkedText, Deflated, deflate, joined, openmetrics_text
+from exporter.metrics.text import EMPTY, ChunkedText, Deflated, Joiner, deflate, joined, openmetrics_text
 
 if TYPE_CHECKING:
     from prometheus_client.core import Metric
@@ -191,6 +191,7 @@ class AccountingText:
         # Per-pair counter family -> what its values were aligned from, and the aligned lists.
         self._aligned: dict[int, tuple[tuple, _Aligned | None]] = {}
         self._share_chunks = ChunkedText(1, gzipped=True)  # the share family's samples
+        self._share_joiner = Joiner()
 
     def render(self, result: Accounting | None) -> Deflated:
         """The families' text, compressed; :meth:`openmetrics` then gives the same render in
@@ -239,7 +240,7 @@ class AccountingText:
             fmt = float_format()
             pieces = self._share_chunks.render(
                 shares, lambda key, share: (f"{name}{self._pair_label(key)} {fmt(share)}\n".encode(),))[0]
-            self._shares = (shares, joined(pieces))
+            self._shares = (shares, self._share_joiner(pieces))
         return self._shares[1]
 
     def _use_pieces(self, uses: Mapping, util_name: str, memory_name: str) -> list[Deflated]:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from exporter.metrics.collectors import Inputs, Part, register
 from exporter.metrics.families import counter, escape_label, float_format, gauge
 from exporter.metrics.status import Health
-from exporter.metrics.text import ChunkedText, Deflated, deflate, joined, openmetrics_text
+from exporter.metrics.text import ChunkedText, Deflated, Joiner, deflate, openmetrics_text
 from exporter.scratch.allocation import AllocationView, Kernel, KernelState, is_accelerator_slot
 from exporter.scratch.identity import Identity
 from exporter.scratch.resources import SlotKind, slot_kind
@@ -132,7 +132,9 @@ class KernelText:
         # The first header is written after each render's head; the others never change.
         self._headers = (headers[0], *map(self._pack, headers[1:]))
         self._om_headers = (openmetrics_text(headers[0]), *(self._pack(openmetrics_text(h)) for h in headers[1:]))
-        self._openmetrics: bytes | Deflated = b""
+        self._joiners = (Joiner(), Joiner())  # text, OpenMetrics: the chunks' pieces joined after a change
+        self._last: tuple[bytes, list[list[bytes | Deflated]]] | None = None  # the last render's head and sections
+        self._openmetrics: bytes | Deflated | None = b""  # None: not made for the last render yet
 
     def _pack(self, text: bytes) -> bytes | Deflated:
         return deflate(text) if self._gzipped else text
@@ -145,22 +147,26 @@ class KernelText:
         changed = view.changed_since(self._version) if self._version is not None else None
         sections = self._text.render(view.kernels, lambda kid, kernel: _encode(kid, kernel, self._agent_id, fmt), changed)
         self._version = view.version
-        text = self._join(self._pack(head + self._headers[0]), self._headers[1:], sections)
-        self._openmetrics = self._join(self._pack(openmetrics_text(head) + self._om_headers[0]), self._om_headers[1:], sections)
-        return text
+        self._last, self._openmetrics = (head, sections), None
+        return self._join(0, self._pack(head + self._headers[0]), self._headers[1:], sections)
 
     def openmetrics(self) -> bytes | Deflated:
-        """The last render in OpenMetrics 1.0 (less ``# EOF``), in the same encoding. No
+        """The last render in OpenMetrics 1.0 (less ``# EOF``), in the same encoding, made on the
+        first call after the render (scrapers that never ask for it never pay for it). No
         ``_created``: its head's counters are written without."""
+        if self._openmetrics is None and self._last is not None:
+            head, sections = self._last
+            self._openmetrics = self._join(1, self._pack(openmetrics_text(head) + self._om_headers[0]), self._om_headers[1:],
+                                           sections)
         return self._openmetrics
 
-    def _join(self, first: bytes | Deflated, headers: Sequence[bytes | Deflated],
+    def _join(self, form: int, first: bytes | Deflated, headers: Sequence[bytes | Deflated],
               sections: list[list[bytes | Deflated]]) -> bytes | Deflated:
         pieces = [first, *sections[0]]
         for header, section in zip(headers, sections[1:], strict=True):
             pieces.append(header)
             pieces += section
-        return joined(pieces) if self._gzipped else b"".join(pieces)
+        return self._joiners[form](pieces) if self._gzipped else b"".join(pieces)
 
 
 def _encode(kernel_id: str, kernel: Kernel, agent_id: str | None, fmt: Callable[[float], str]) -> tuple[bytes, ...]:

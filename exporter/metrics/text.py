@@ -13,11 +13,12 @@ import weakref
 from bisect import bisect_right, insort
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from operator import is_
 from types import ModuleType
 from typing import TypeVar
 
-__all__ = ["EMPTY", "OPENMETRICS_EOF", "ChunkedText", "CreatedTimes", "Deflated", "deflate", "gzip_body", "inflate",
-           "joined", "openmetrics_text"]
+__all__ = ["EMPTY", "OPENMETRICS_EOF", "ChunkedText", "CreatedTimes", "Deflated", "Joiner", "deflate", "gzip_body",
+           "inflate", "joined", "openmetrics_text"]
 
 T = TypeVar("T")
 
@@ -70,30 +71,58 @@ def deflate(text: bytes) -> Deflated:
 
 def joined(pieces: Iterable[Deflated]) -> Deflated:
     """Pieces as one piece: their data concatenated, the CRC-32s combined without the text."""
-    pieces = [piece for piece in pieces if piece]
+    pieces = [piece for piece in pieces if piece.size]
     if len(pieces) < 2:
         return pieces[0] if pieces else EMPTY
-    crc, size = _combined(pieces)
-    return Deflated(b"".join(piece.data for piece in pieces), crc, size)
+    crc, size = _combined([(piece.crc, piece.size) for piece in pieces])
+    return Deflated(b"".join([piece.data for piece in pieces]), crc, size)
 
 
 def gzip_body(pieces: Iterable[Deflated]) -> bytes:
     """Pieces as one gzip member: a head, their deflate blocks, a final empty block, the trailer
     (CRC-32 and size modulo 2**32, little-endian)."""
-    pieces = [piece for piece in pieces if piece]
-    crc, size = _combined(pieces)
+    pieces = [piece for piece in pieces if piece.size]
+    crc, size = _combined([(piece.crc, piece.size) for piece in pieces])
     return b"".join((_GZIP_HEAD, *(piece.data for piece in pieces), _LAST_BLOCK, struct.pack("<II", crc, size & 0xFFFFFFFF)))
 
 
-def _combined(pieces: list[Deflated]) -> tuple[int, int]:
-    """The CRC-32 and size of the pieces' texts one after another (crc32_combine: from the
-    pieces' CRCs and sizes alone, in O(log size) each)."""
-    if not pieces:
+class Joiner:
+    """:func:`joined` for a caller that joins a long sequence of pieces again and again, most of
+    them the same objects as the last time (the chunks of a part after a change).
+
+    The CRC-32 of each run of ``run`` neighbouring pieces is kept while the run holds the same
+    objects, so a join after one change combines about ``n / run + run`` CRCs instead of ``n``
+    (the per-kernel families at 10,000 kernels: ~630 pieces, ~0.7 µs a combine). Not
+    thread-safe: the caller serialises joins.
+    """
+
+    def __init__(self, run: int = 32) -> None:
+        self._run = run
+        self._runs: list[tuple[list[Deflated], int, int]] = []  # per run: its pieces, their CRC-32 and size
+
+    def __call__(self, pieces: Iterable[Deflated]) -> Deflated:
+        pieces = [piece for piece in pieces if piece.size]
+        kept, runs = self._runs, []
+        for n, start in enumerate(range(0, len(pieces), self._run)):
+            run = pieces[start:start + self._run]
+            old = kept[n] if n < len(kept) else None
+            if old is None or len(old[0]) != len(run) or not all(map(is_, old[0], run)):
+                old = (run, *_combined([(piece.crc, piece.size) for piece in run]))
+            runs.append(old)
+        self._runs = runs
+        crc, size = _combined([(crc, size) for _, crc, size in runs])
+        return Deflated(b"".join([piece.data for piece in pieces]), crc, size) if pieces else EMPTY
+
+
+def _combined(parts: list[tuple[int, int]]) -> tuple[int, int]:
+    """The CRC-32 and size of texts one after another, from each one's CRC-32 and size
+    (crc32_combine: without the text, in O(log size) each)."""
+    if not parts:
         return 0, 0
     combine = _isal().crc32_combine
-    crc, size = pieces[0].crc, pieces[0].size
-    for piece in pieces[1:]:
-        crc, size = combine(crc, piece.crc, piece.size), size + piece.size
+    crc, size = parts[0]
+    for next_crc, next_size in parts[1:]:
+        crc, size = combine(crc, next_crc, next_size), size + next_size
     return crc, size
 
 
@@ -112,7 +141,8 @@ class ChunkedText:
     Each section's text is every key's segment in that section, in key order. The keys are kept
     in chunks of about ``chunk_keys`` neighbours (bounded by their first keys, as a B-tree's
     leaves are, so a new key joins the chunk it sorts into and the others keep their contents);
-    each chunk keeps its own text per section, or that text as a :class:`Deflated` piece. After one key changes a render re-encodes one
+    each chunk keeps its own text per section, or that text as a :class:`Deflated` piece (join them
+    with a :class:`Joiner`). After one key changes a render re-encodes one
     chunk and hands out the same bytes objects for the rest: the cost of a change is one chunk's,
     not the whole text's, at any number of keys.
 

@@ -20,7 +20,7 @@ from exporter.metrics.allocation import KernelText, allocation_families, kernel_
 from exporter.metrics.exporter import build_info, watcher_families
 from exporter.metrics.registry import ExporterCollector, Part, render_families
 from exporter.metrics.status import Health
-from exporter.metrics.text import ChunkedText, Deflated, deflate, gzip_body, inflate, joined, openmetrics_text
+from exporter.metrics.text import ChunkedText, Deflated, Joiner, deflate, gzip_body, inflate, joined, openmetrics_text
 from exporter.scratch.allocation import AllocationBook
 from exporter.scratch.reader import Scanner, ScanStats
 from exporter.scratch.watcher import WatcherStatus
@@ -323,6 +323,23 @@ def test_pieces_join_into_one_gzip_member(texts, split) -> None:
     assert gzip.decompress(body) == b"".join(texts)
     assert inflate(joined(grouped)) == b"".join(texts)
     assert bool(joined(pieces)) == any(texts)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.lists(st.tuples(st.integers(0, 80), st.booleans()), max_size=6), max_size=8), st.integers(2, 5))
+def test_a_joiner_joins_as_joined_whatever_changed(steps, run) -> None:
+    """Pieces replaced, inserted and removed between joins (runs kept, shifted, emptied): every
+    join equals :func:`joined` of the same pieces, and their text."""
+    joiner, pieces = Joiner(run), [deflate(b"%d\n" % n) for n in range(20)]
+    for step in [[], *steps]:
+        for at, insert in step:
+            at = min(at, len(pieces))
+            if insert or at == len(pieces):
+                pieces.insert(at, deflate(b"new %d\n" % at))
+            else:
+                pieces[at] = deflate(b"") if at % 3 == 0 else deflate(b"changed %d\n" % at)
+        assert joiner(pieces) == joined(pieces)
+        assert inflate(joiner(pieces)) == b"".join(map(inflate, pieces))
 
 
 def test_a_gzip_body_is_one_member_of_every_part() -> None:
