@@ -280,7 +280,8 @@ class AccountingText:
         pair's value, None for a pair it lacks). At 10,000 kernels a render writes tens of
         thousands of them: a family with a value for every pair is one ``%`` over a template of
         every pair's line (``%s{labels} %s``, made once per pair order and shared by the
-        families), which writes 12,500 lines in ~2 ms against ~10 ms for joining them."""
+        families), one C loop instead of a join of a string per line (BENCHMARKS.md, figures
+        behind design decisions)."""
         if not found:
             return b""
         if None in found:  # a family of some pairs only (busy time, energy)

@@ -29,9 +29,9 @@ class Deflated:
     a byte boundary (a sync flush), with the text's CRC-32 and size: pieces concatenated are one
     deflate stream, and :func:`gzip_body` frames them as one gzip member (RFC 1952).
 
-    A body is then one member, which every gzip reader takes whole. Members concatenated (what
-    each part kept before) are valid gzip too, but libcurl (``curl --compressed``) and some
-    browsers stop after the first one. False when it holds no text.
+    A body is then one member, which every gzip reader takes whole: gzip members concatenated
+    are valid gzip too, but libcurl (``curl --compressed``) stops after the first. False when it
+    holds no text.
     """
 
     data: bytes
@@ -59,9 +59,9 @@ def _isal() -> ModuleType:
 
 
 def deflate(text: bytes) -> Deflated:
-    """``text`` as a :class:`Deflated` piece. ISA-L's level 1 (python-isal): ~5 times zlib's
-    level 1 speed on exposition text, and smaller output (BENCHMARKS.md, figures behind design
-    decisions)."""
+    """``text`` as a :class:`Deflated` piece, at ISA-L's level 1 (python-isal): several times
+    zlib's level 1 speed on exposition text, and smaller output (BENCHMARKS.md, figures behind
+    design decisions)."""
     if not text:
         return EMPTY
     z = _isal()
@@ -92,8 +92,8 @@ class Joiner:
 
     The CRC-32 of each run of ``run`` neighbouring pieces is kept while the run holds the same
     objects, so a join after one change combines about ``n / run + run`` CRCs instead of ``n``
-    (the per-kernel families at 10,000 kernels: ~630 pieces, ~0.7 µs a combine). Not
-    thread-safe: the caller serialises joins.
+    (the per-kernel families at 10,000 kernels are ~630 pieces; BENCHMARKS.md, figures behind
+    design decisions). Not thread-safe: the caller serialises joins.
     """
 
     def __init__(self, run: int = 32) -> None:
