@@ -159,8 +159,9 @@ class ChunkedText:
         for a renderer called rarely, which must not keep ended objects alive until its next call.
     :param chunk_keys: the chunk size aimed at. A chunk is split past twice this and merged into
         its neighbour below a quarter of it. 64, for the per-kernel families at 10,000 kernels:
-        the members take 286 KiB against 229 KiB for the text compressed whole (16: 476 KiB), and
-        a render after one change takes ~2 ms against ~110 ms for the first (BENCHMARKS.md).
+        the pieces take about a fifth more than the text compressed whole (16 keys: nearly
+        twice), and a render after one change costs one chunk, not every kernel (BENCHMARKS.md,
+        figures behind design decisions).
     """
 
     def __init__(self, sections: int, *, gzipped: bool = False, weak: bool = False, chunk_keys: int = 64) -> None:
