@@ -180,10 +180,11 @@ def classify(
     return _STARTING if young else _CONTAINER_GONE
 
 
-def time_moves(verdict: KernelLiveness) -> bool:
-    """Whether time alone can change ``verdict``, the same kernel and scan given: only a kernel in
-    its grace period (:func:`classify` says "starting") turns into another verdict as it ages."""
-    return verdict is _STARTING
+def time_moves(verdict: KernelLiveness, kernel: Kernel, now: float, grace_seconds: float) -> bool:
+    """Whether time alone has changed ``verdict`` by ``now`` (unix seconds), the same kernel and
+    scan given: only a kernel in its grace period (:func:`classify` says "starting") turns into
+    another verdict, once that period is over."""
+    return verdict is _STARTING and now - kernel.since > grace_seconds
 
 
 def classify_kernels(

@@ -474,9 +474,10 @@ class AnalysisPipeline:
 
         While the scan is the last one's, only the kernels changed since are judged again (a
         kernel change at 10,000 kernels must not cost a judgement of every kernel, ~25 ms), and
-        every :data:`STALE_CHECK_SECONDS` the kernels still in their grace period too: with the
-        same containers and the same kernel, time moves no other verdict (a kernel past its
-        grace stays past it). A scan that differs judges every kernel."""
+        every :data:`STALE_CHECK_SECONDS` the kernels whose grace period ended since too: with
+        the same containers and the same kernel, time moves no other verdict (a kernel past its
+        grace stays past it, one within it stays "starting"). A scan that differs judges every
+        kernel."""
         cfg = self.config
         cgroups = scan_cgroups(cfg.cgroupfs)
         version, at = self._judged
@@ -485,7 +486,11 @@ class AnalysisPipeline:
         if prev is not None and prev.cgroups == cgroups:
             changed = view.changed_since(version)
             if changed is not None and due:
-                changed = changed | {kid for kid, verdict in before.items() if time_moves(verdict)}
+                # Only the kernels whose grace ended since: a node whose kernels all started
+                # within the grace period would otherwise judge every kernel each time.
+                clock, kernels = self._clock(), view.kernels
+                changed = changed | {kid for kid, verdict in before.items() if kid in kernels
+                                     and time_moves(verdict, kernels[kid], clock, cfg.stale_grace)}
             if changed is not None and len(changed) > _JUDGED_APART:
                 changed = None
         kernels = view.kernels if changed is None else {kid: view.kernels[kid] for kid in changed if kid in view.kernels}

@@ -267,9 +267,9 @@ def test_one_gpu_named_two_ways_is_one_device_of_the_node_state() -> None:
     assert model.view.alloc_map == {"GPU-a1b2": "4.5", "a1b2": "7"}  # the agent's map, as written
 
 
-def test_time_alone_judges_again_only_the_kernels_in_their_grace_period(tmp_path: Path, monkeypatch) -> None:
-    """With the same containers and kernels, a kernel past its grace keeps its verdict: only the
-    ones still starting are judged again, and turn stale once their grace is over."""
+def test_time_alone_judges_again_only_the_kernels_whose_grace_ended(tmp_path: Path, monkeypatch) -> None:
+    """With the same containers and kernels, a kernel past its grace keeps its verdict, and one
+    within it stays "starting": only the ones whose grace ended are judged again, and turn stale."""
     from exporter.analysis import pipeline as pipeline_module
     from exporter.analysis.liveness import classify_kernels
 
@@ -294,7 +294,8 @@ def test_time_alone_judges_again_only_the_kernels_in_their_grace_period(tmp_path
         judged.clear()
         clock.now += pipeline_module.STALE_CHECK_SECONDS
         model = p.step()
-        assert sum(judged) == (3 if step < 3 else 0)  # past their grace (60 s) at the third: judged no more
+        # Judged again once, at the third check: past their grace (60 s) then, and not before.
+        assert sum(judged) == (3 if step == 2 else 0)
     assert {model.liveness[f"new{n}"].reason for n in range(3)} == {"container-gone"}
     assert sum(v.reason == "container-gone" for v in model.liveness.values()) == 23
 
