@@ -13,6 +13,7 @@ import weakref
 from bisect import bisect_right, insort
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import chain
 from operator import is_
 from types import ModuleType
 from typing import TypeVar
@@ -32,17 +33,26 @@ class Deflated:
     A body is then one member, which every gzip reader takes whole: gzip members concatenated
     are valid gzip too, but libcurl (``curl --compressed``) stops after the first. False when it
     holds no text.
+
+    A piece joined from others keeps their data as they are, in order (``blocks``), not copied
+    into one bytes object: the body is the only copy made (:func:`gzip_body`), so a part of
+    hundreds of pieces costs no copy of its text per render, and no memory beyond its pieces'.
     """
 
-    data: bytes
+    blocks: tuple[bytes, ...]  # the deflate data, in order
     crc: int  # CRC-32 of the text
     size: int  # bytes of text
 
     def __bool__(self) -> bool:
         return self.size > 0
 
+    @property
+    def data(self) -> bytes:
+        """The deflate data as one bytes object."""
+        return self.blocks[0] if len(self.blocks) == 1 else b"".join(self.blocks)
 
-EMPTY = Deflated(b"", 0, 0)
+
+EMPTY = Deflated((), 0, 0)
 # A gzip member's head: deflate, no name, no mtime (0: a body says nothing of when it was made),
 # no extra flags, OS unknown (255).
 _GZIP_HEAD = b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\xff"
@@ -66,16 +76,20 @@ def deflate(text: bytes) -> Deflated:
         return EMPTY
     z = _isal()
     compressor = z.compressobj(1, z.DEFLATED, -15)  # -15: raw deflate, a 32 KiB window
-    return Deflated(compressor.compress(text) + compressor.flush(z.Z_SYNC_FLUSH), z.crc32(text), len(text))
+    return Deflated((compressor.compress(text) + compressor.flush(z.Z_SYNC_FLUSH),), z.crc32(text), len(text))
 
 
 def joined(pieces: Iterable[Deflated]) -> Deflated:
-    """Pieces as one piece: their data concatenated, the CRC-32s combined without the text."""
+    """Pieces as one piece: their blocks one after another, the CRC-32s combined without the text."""
     pieces = [piece for piece in pieces if piece.size]
     if len(pieces) < 2:
         return pieces[0] if pieces else EMPTY
     crc, size = _combined([(piece.crc, piece.size) for piece in pieces])
-    return Deflated(b"".join([piece.data for piece in pieces]), crc, size)
+    return Deflated(_blocks(pieces), crc, size)
+
+
+def _blocks(pieces: list[Deflated]) -> tuple[bytes, ...]:
+    return tuple(chain.from_iterable([piece.blocks for piece in pieces]))
 
 
 def gzip_body(pieces: Iterable[Deflated]) -> bytes:
@@ -83,7 +97,7 @@ def gzip_body(pieces: Iterable[Deflated]) -> bytes:
     (CRC-32 and size modulo 2**32, little-endian)."""
     pieces = [piece for piece in pieces if piece.size]
     crc, size = _combined([(piece.crc, piece.size) for piece in pieces])
-    return b"".join((_GZIP_HEAD, *(piece.data for piece in pieces), _LAST_BLOCK, struct.pack("<II", crc, size & 0xFFFFFFFF)))
+    return b"".join((_GZIP_HEAD, *_blocks(pieces), _LAST_BLOCK, struct.pack("<II", crc, size & 0xFFFFFFFF)))
 
 
 class Joiner:
@@ -111,7 +125,7 @@ class Joiner:
             runs.append(old)
         self._runs = runs
         crc, size = _combined([(crc, size) for _, crc, size in runs])
-        return Deflated(b"".join([piece.data for piece in pieces]), crc, size) if pieces else EMPTY
+        return Deflated(_blocks(pieces), crc, size) if pieces else EMPTY
 
 
 def _combined(parts: list[tuple[int, int]]) -> tuple[int, int]:
