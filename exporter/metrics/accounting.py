@@ -171,14 +171,24 @@ class AccountingText:
     * each pair's label text is built once and kept while the pair exists;
     * the ledger's per-pair counters (:class:`~exporter.analysis.model.DrivenCounters`) are
       computed in C loops over lists aligned with the exposition's order, kept while the
-      ledger's tables are the same objects.
+      ledger's tables are the same objects;
+    * after a kernel change the ledger tells which pairs moved since the last render
+      (:meth:`~exporter.analysis.model.Accounting.moved_since`): the pair order, the aligned
+      lists and the share chunks are patched at those pairs, not made again from every pair.
     """
 
     def __init__(self) -> None:
-        self._pairs: dict[tuple[str, str], str] = {}  # (kernel_id, GPU) -> '{device_id="…",kernel_id="…"}'
+        # (kernel_id, GPU) -> b'{device_id="…",kernel_id="…"}', with "%" doubled: a fragment of
+        # a %-format (see _pair_text).
+        self._pairs: dict[tuple[str, str], bytes] = {}
         self._order: list[tuple[str, str]] = []
-        self._ordered_labels: list[str] = []  # the label text of each pair of ``_order``
-        self._template: tuple[list[str] | None, bytes] = (None, b"")  # _ordered_labels -> every pair's line, "%s{…} %s\n"
+        self._ordered_labels: list[bytes] = []  # the label of each pair of ``_order``
+        # How the last render's order was made from the one before: None (anew), else the
+        # (index, key) removed and then inserted, in that order (see _pair_labels).
+        self._edits: tuple[list[int], list[tuple[int, tuple[str, str]]]] | None = None
+        self._before: list[tuple[str, str]] = self._order  # the order ``_edits`` was applied to
+        self._last: Accounting | None = None  # the result last rendered
+        self._template: tuple[list[bytes] | None, bytes] = (None, b"")  # _ordered_labels -> every pair's line, "%s{…} %s\n"
         self._pair_sources: tuple = ()  # the key tables ``_order`` was built from (compared by identity)
         self._kernels: dict[str, str] = {}  # kernel_id -> '{kernel_id="…"}'
         self._labels: dict[tuple[str, ...], str] = {}  # a GPU's or an owner's label text (a few dozen)
@@ -201,12 +211,14 @@ class AccountingText:
             return EMPTY
         heads = self._heads_made()
         names = [name for name, _, _ in heads]
-        order, labels = self._pair_labels(result)
-        samples = [self._share_piece(names[0], result.shares)]
+        moved = result.moved_since(self._last) if self._last is not None else None
+        order, labels = self._pair_labels(result, moved)
+        samples = [self._share_piece(names[0], result.shares, moved)]
         samples += self._use_pieces(result.kernels, names[1], names[2])
         per_pair = [result.allocated_seconds] + [values for _, _, values in _pair_counters(result)]
-        texts = [self._pair_text(names[i].encode(), self._pair_values(i, counters, order), labels)
+        texts = [self._pair_text(names[i].encode(), self._pair_values(i, counters, order, moved), labels)
                  for i, counters in enumerate(per_pair, start=3)]
+        self._last = result
         i = 3 + len(per_pair)
         rows = [(("device_id",), {(gpu,): v for gpu, v in values.items()}) for _, _, values in _device_counters(result)]
         rows.append((("device_id",), {(gpu,): 1.0 if flag else 0.0 for gpu, flag in result.measured.items()}))
@@ -232,14 +244,15 @@ class AccountingText:
             self._heads = [(h.split(b" ", 3)[2].decode(), deflate(h), deflate(openmetrics_text(h))) for h in heads]
         return self._heads
 
-    def _share_piece(self, name: str, shares: Mapping[tuple[str, str], float]) -> Deflated:
+    def _share_piece(self, name: str, shares: Mapping[tuple[str, str], float], moved: frozenset | None) -> Deflated:
         """The share family's samples: kept in chunks of neighbouring pairs (:class:`ChunkedText`),
-        so that a pass that moved a few kernels writes and compresses their chunks only, and not
-        looked at while the ledger hands out the same mapping."""
+        so that a pass that moved a few kernels writes and compresses their chunks only (told
+        which pairs moved, it looks at no other), and not looked at while the ledger hands out
+        the same mapping."""
         if self._shares[0] is not shares:
-            fmt = float_format()
+            fmt, prefix = float_format(), name.encode().replace(b"%", b"%%")
             pieces = self._share_chunks.render(
-                shares, lambda key, share: (f"{name}{self._pair_label(key)} {fmt(share)}\n".encode(),))[0]
+                shares, lambda key, share: ((prefix + self._pair_label(key) + b" %s\n") % fmt(share).encode(),), moved)[0]
             self._shares = (shares, self._share_joiner(pieces))
         return self._shares[1]
 
@@ -261,36 +274,40 @@ class AccountingText:
             self._uses = (uses, pieces)
         return list(pieces)
 
-    def _pair_values(self, family: int, values: Mapping[tuple[str, str], float], order: list[tuple[str, str]]) -> list:
-        """The family's value of each pair of ``order`` (None: it has none; no value: it has no pair)."""
+    def _pair_values(self, family: int, values: Mapping[tuple[str, str], float], order: list[tuple[str, str]],
+                     moved: frozenset | None) -> list:
+        """The family's value of each pair of ``order`` (None: it has none; no value: it has no
+        pair). ``moved``: the pairs whose terms moved since the last render, if known."""
         if not values:
             return []
         if isinstance(values, DrivenCounters):
             base, splits, drive = values.terms()
             known, aligned = self._aligned.get(family, ((), None))
             if len(known) != 3 or known[0] is not base or known[1] is not splits or known[2] is not order:
-                aligned = _Aligned.of(base, splits, order)
+                patched = None
+                if aligned is not None and moved is not None and self._edits is not None and known[2] is self._before:
+                    patched = aligned.patched(base, splits, order, self._edits, moved)
+                aligned = patched or _Aligned.of(base, splits, order)
                 self._aligned[family] = ((base, splits, order), aligned)
             if aligned is not None:
                 return aligned.values(drive)
         return list(map(dict(values.items()).get, order))  # one pass over counters computed when read
 
-    def _pair_text(self, name: bytes, found: list, labels: list[str]) -> bytes:
+    def _pair_text(self, name: bytes, found: list, labels: list[bytes]) -> bytes:
         """The sample lines of one per-pair family, in the exposition's order (``found``: each
         pair's value, None for a pair it lacks). At 10,000 kernels a render writes tens of
-        thousands of them: a family with a value for every pair is one ``%`` over a template of
-        every pair's line (``%s{labels} %s``, made once per pair order and shared by the
-        families), one C loop instead of a join of a string per line (BENCHMARKS.md, figures
-        behind design decisions)."""
+        thousands of them: one ``%`` over a template of every pair's line (``%s{labels} %s``,
+        joined in C from the labels, which are %-format fragments; for a family with a value for
+        every pair made once per pair order and shared by the families), one C loop instead of a
+        join of a string per line (BENCHMARKS.md, figures behind design decisions)."""
         if not found:
             return b""
         if None in found:  # a family of some pairs only (busy time, energy)
             kept = [(label, value) for label, value in zip(labels, found, strict=True) if value is not None]
-            return b"".join(b"%s%s %s\n" % (name, label.encode(), text)
-                            for (label, _), text in zip(kept, float_texts([value for _, value in kept]), strict=True))
+            template = _template([label for label, _ in kept])
+            return template % tuple(chain.from_iterable(zip(repeat(name), float_texts([value for _, value in kept]))))
         if self._template[0] is not labels:
-            template = "".join(f"%s{label.replace('%', '%%')} %s\n" for label in labels).encode()
-            self._template = (labels, template)
+            self._template = (labels, _template(labels))
         return self._template[1] % tuple(chain.from_iterable(zip(repeat(name), float_texts(found))))
 
     def _label(self, names: tuple[str, ...] | list[str], values: tuple[str, ...]) -> str:
@@ -304,37 +321,54 @@ class AccountingText:
             text = self._labels[key] = f"{{{inner}}}"
         return text
 
-    def _pair_labels(self, result: Accounting) -> tuple[list[tuple[str, str]], list[str]]:
+    def _pair_labels(self, result: Accounting, moved: frozenset | None) -> tuple[list[tuple[str, str]], list[bytes]]:
         """Every pair in the exposition's order (kernel, then GPU: the order of sorting the
-        families' keys) and each one's label text in that order, both kept while the pairs are
-        the same (known without a look at them while the tables are the same objects). New
-        lists when pairs come or go: what was derived from the old ones tells by identity."""
+        families' keys) and each one's label in that order, both kept while the pairs are the
+        same (known without a look at them while the tables are the same objects). New lists
+        when pairs come or go: what was derived from the old ones tells by identity, and
+        ``_edits`` says how the new order was made from the one before (``_before``).
+
+        ``moved``: the only pairs that may have come or gone since the last render, if known;
+        else every table's keys are compared with the pairs known."""
         sources = tuple(values.terms()[0] if isinstance(values, DrivenCounters) else values
                         for values in (result.shares, result.allocated_seconds, result.busy_seconds, result.energy_joules))
+        self._before = self._order
         if len(self._pair_sources) == len(sources) and all(a is b for a, b in zip(self._pair_sources, sources, strict=True)):
+            self._edits = ([], [])
             return self._order, self._ordered_labels
-        keys = result.shares.keys() | result.allocated_seconds.keys() | result.busy_seconds.keys() | result.energy_joules.keys()
-        if keys != self._pairs.keys():  # kernels came or went: drop the others' labels, add the new ones
+        tables = (result.shares.keys(), result.allocated_seconds.keys(), result.busy_seconds.keys(),
+                  result.energy_joules.keys())
+        if moved is not None:  # (each side a set: a dict's keys on the right would be walked whole)
+            now = {key for key in moved if any(key in keys for keys in tables)}
+            came, gone = {key for key in now if key not in self._pairs}, {key for key in moved - now if key in self._pairs}
+        else:
+            keys = tables[0] | tables[1] | tables[2] | tables[3]
             came, gone = keys - self._pairs.keys(), self._pairs.keys() - keys
-            if len(came) + len(gone) > _MOVED_APART:
-                self._pairs = {key: self._pairs.get(key) or _pair_label_text(key) for key in keys}
-                self._order = sorted(keys)
-                self._ordered_labels = list(map(self._pairs.__getitem__, self._order))
-            else:  # a few: moved in copies of the sorted lists (a copy is ~0.1 ms, a sort ~10 ms)
-                order, labels = list(self._order), list(self._ordered_labels)
-                for key in gone:
-                    at = bisect_left(order, key)
-                    del order[at], labels[at]
-                    del self._pairs[key]
-                for key in came:
-                    at = bisect_left(order, key)
-                    order.insert(at, key)
-                    labels.insert(at, self._pair_label(key))
-                self._order, self._ordered_labels = order, labels
+        if len(came) + len(gone) > _MOVED_APART:  # many: the order made anew
+            for key in gone:
+                del self._pairs[key]
+            self._order = sorted(self._pairs.keys() | came)
+            self._ordered_labels = list(map(self._pair_label, self._order))
+            self._edits = None
+        elif came or gone:  # a few: moved in copies of the sorted lists (a copy is ~0.1 ms, a sort ~10 ms)
+            order, labels, removed, inserted = list(self._order), list(self._ordered_labels), [], []
+            for key in gone:
+                at = bisect_left(order, key)
+                del order[at], labels[at]
+                del self._pairs[key]
+                removed.append(at)
+            for key in came:
+                at = bisect_left(order, key)
+                order.insert(at, key)
+                labels.insert(at, self._pair_label(key))
+                inserted.append((at, key))
+            self._order, self._ordered_labels, self._edits = order, labels, (removed, inserted)
+        else:
+            self._edits = ([], [])
         self._pair_sources = sources
         return self._order, self._ordered_labels
 
-    def _pair_label(self, key: tuple[str, str]) -> str:
+    def _pair_label(self, key: tuple[str, str]) -> bytes:
         text = self._pairs.get(key)
         if text is None:
             text = self._pairs[key] = _pair_label_text(key)
@@ -371,13 +405,47 @@ class _Aligned:
         firsts = [split[0] if split else (None, 0.0) for split in found]  # none: grows by 0 × nothing
         return cls(bases, list(map(itemgetter(0), firsts)), list(map(itemgetter(1), firsts)))
 
+    def patched(self, base: Mapping, splits: Mapping, order: list[tuple[str, str]],
+                edits: tuple[list[int], list[tuple[int, tuple[str, str]]]], moved: frozenset) -> _Aligned | None:
+        """These lists for the ``base`` and ``splits`` of a later result, in ``order``: the pair
+        order's ``edits`` applied (removals, then insertions, as ``_pair_labels`` made them), then
+        the entries of the ``moved`` pairs (every inserted pair is one) read again. The other
+        pairs' terms are the same (:meth:`~exporter.analysis.model.Accounting.moved_since`).
+        None where :meth:`of` would give None."""
+        if len(base) != len(order):
+            return None
+        bases, gpus, fractions = list(self._bases), list(self._gpus), list(self._fractions)
+        removed, inserted = edits
+        for at in removed:
+            del bases[at], gpus[at], fractions[at]
+        for at, _ in inserted:
+            bases.insert(at, 0.0)
+            gpus.insert(at, None)
+            fractions.insert(at, 0.0)
+        for key in moved:
+            at = bisect_left(order, key)
+            if at == len(order) or order[at] != key:
+                continue
+            value, split = base.get(key), splits.get(key, ())
+            if value is None or len(split) > 1:
+                return None
+            bases[at] = value
+            gpus[at], fractions[at] = split[0] if split else (None, 0.0)
+        return _Aligned(bases, gpus, fractions)
+
     def values(self, drive: Mapping[str, float]) -> list[float]:
         # The sum DrivenCounters computes for a one-GPU split, in its order: base + fraction × drive.
         return list(map(add, self._bases, map(mul, self._fractions, map(drive.get, self._gpus, repeat(0.0)))))
 
 
-def _pair_label_text(key: tuple[str, str]) -> str:
-    return f'{{device_id="{escape_label(key[1])}",kernel_id="{escape_label(key[0])}"}}'
+def _pair_label_text(key: tuple[str, str]) -> bytes:
+    """A pair's labels as a %-format fragment ("%" doubled)."""
+    return f'{{device_id="{escape_label(key[1])}",kernel_id="{escape_label(key[0])}"}}'.replace("%", "%%").encode()
+
+
+def _template(labels: list[bytes]) -> bytes:
+    """``%s{labels} %s\n`` for each of ``labels`` (%-format fragments), joined in C."""
+    return b"%s" + b" %s\n%s".join(labels) + b" %s\n" if labels else b""
 
 
 def _joined(heads: list[tuple[str, Deflated, Deflated]], samples: list[Deflated], form: int) -> Deflated:

@@ -10,10 +10,11 @@ from __future__ import annotations
 import re
 import struct
 import weakref
+from array import array
 from bisect import bisect_right, insort
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import chain
+from itertools import accumulate, chain, pairwise
 from operator import is_
 from types import ModuleType
 from typing import TypeVar
@@ -228,8 +229,10 @@ class ChunkedText:
             kept = chunk.objects
             if self._weak and kept is not None:
                 kept = list(map(_dereference, kept))  # None for an object gone since
-            if n in touched or current != kept:
+            if n in touched or kept is None:
                 self._encode(chunk, current, encode)
+            elif current != kept:
+                self._patch(chunk, current, kept, encode)
         self._firsts = [c.keys[0] for c in self._chunks]
         return [[c.pieces[s] for c in self._chunks if c.pieces[s]] for s in range(self._sections)]
 
@@ -273,11 +276,40 @@ class ChunkedText:
 
     def _encode(self, chunk: _Chunk, current: list, encode: Callable[[str, T], Sequence[bytes]]) -> None:
         segments = [encode(k, o) for k, o in zip(chunk.keys, current, strict=True)]
-        pieces = []
+        pieces, ends = [], []
         for s in range(self._sections):
-            text = b"".join(seg[s] for seg in segments)
+            texts = [seg[s] for seg in segments]
+            ends.append(array("I", accumulate(map(len, texts))))
+            text = b"".join(texts)
             pieces.append(deflate(text) if self._gzipped else text)
-        chunk.objects, chunk.pieces = list(map(weakref.ref, current)) if self._weak else current, pieces
+        self._keep(chunk, current, pieces, ends)
+
+    def _patch(self, chunk: _Chunk, current: list, kept: list, encode: Callable[[str, T], Sequence[bytes]]) -> None:
+        """Re-encode only the keys whose object changed, their segments spliced into the chunk's
+        text (inflated first if kept compressed) at the offsets kept for them: after one change a
+        render encodes one key, not its chunk's (64 kernels: ~0.5 ms; BENCHMARKS.md, figures
+        behind design decisions)."""
+        moved = [i for i, (new, old) in enumerate(zip(current, kept, strict=True)) if new is not old and new != old]
+        if len(moved) > len(current) // 8:  # many moved: encoding the chunk whole costs about the same
+            self._encode(chunk, current, encode)
+            return
+        segments = [encode(chunk.keys[i], current[i]) for i in moved]
+        pieces, ends = [], []
+        for s, (piece, bounds) in enumerate(zip(chunk.pieces, chunk.ends, strict=True)):
+            text = inflate(piece) if self._gzipped else piece
+            out, lengths, at = [], [b - a for a, b in pairwise((0, *bounds))], 0
+            for i, segment in zip(moved, segments, strict=True):
+                out += (text[at:bounds[i] - lengths[i]], segment[s])
+                at, lengths[i] = bounds[i], len(segment[s])
+            out.append(text[at:])
+            text = b"".join(out)
+            ends.append(array("I", accumulate(lengths)))
+            pieces.append(deflate(text) if self._gzipped else text)
+        self._keep(chunk, current, pieces, ends)
+
+    def _keep(self, chunk: _Chunk, current: list, pieces: list[bytes | Deflated], ends: list[array]) -> None:
+        chunk.objects = list(map(weakref.ref, current)) if self._weak else current
+        chunk.pieces, chunk.ends = pieces, ends
 
 
 _dereference = weakref.ref.__call__
@@ -285,14 +317,15 @@ _dereference = weakref.ref.__call__
 
 class _Chunk:
     """Neighbouring keys (sorted), the objects their text was encoded from, and that text per
-    section (or its :class:`Deflated` piece)."""
+    section (or its :class:`Deflated` piece), with where each key's segment ends in it."""
 
-    __slots__ = ("keys", "objects", "pieces")
+    __slots__ = ("ends", "keys", "objects", "pieces")
 
     def __init__(self, keys: list[str]) -> None:
         self.keys = keys
         self.objects: list | None = None  # None: not encoded yet
         self.pieces: list[bytes | Deflated] = []
+        self.ends: list[array] = []  # per section, each key's segment's end offset in its text (bytes)
 
 
 # -- OpenMetrics ---------------------------------------------------------------------------------

@@ -455,7 +455,12 @@ def test_a_pass_that_moves_only_the_changed_kernels_equals_a_settle(seed: int, s
     rng = random.Random(seed)
     clock = Clock()
     book = AllocationBook(clock)
+    from exporter.metrics.accounting import AccountingText, accounting_families
+    from exporter.metrics.registry import render_families
+    from exporter.metrics.text import inflate
+
     told, walked = Accountant(clock, retention=30.0, energy_split=split), Accountant(clock, retention=30.0, energy_split=split)
+    text = AccountingText()  # renders the told results at some passes: patched by the pairs that moved between
     energy = dict.fromkeys(GPUS, 0.0)
     ids = [f"00000000-0000-4000-8000-{n:012d}" for n in range(12)]
     before = None
@@ -495,11 +500,62 @@ def test_a_pass_that_moves_only_the_changed_kernels_equals_a_settle(seed: int, s
             assert all(close(ours[k], theirs[k]) for k in ours), name
         assert dict(a.shares) == dict(b.shares) and dict(a.kernels) == dict(b.kernels) and dict(a.measured) == dict(b.measured)
         assert told._fracs.keys() == walked._fracs.keys()
+        if rng.random() < 0.5:
+            assert inflate(text.render(a)) == render_families(accounting_families(a))
         if before is not None:
             for name in COUNTER_FIELDS:
                 old, new = dict(getattr(before[0], name).items()), dict(getattr(a, name).items())
                 assert all(new[k] >= v for k, v in old.items() if k in new), name
         before = (a, clock.now)
+
+
+def test_the_ledger_says_which_pairs_moved_and_its_renderer_patches_them_only(monkeypatch) -> None:
+    """A shift records the pairs it moved: a later result tells them since any earlier one of
+    the same log (none: nothing moved), and nothing across a settle. The renderer then patches
+    its pair order and per-pair lists at those pairs, and writes what generate_latest writes."""
+    from exporter.analysis.pipeline import _changes
+    from exporter.metrics import accounting as rendering
+    from exporter.metrics.registry import render_families
+    from exporter.metrics.text import inflate
+    from exporter.scratch.allocation import AllocationBook
+
+    clock = Clock()
+    book = AllocationBook(clock)
+    spec = [ResourceSpec((Allocation("cuda.shares", GPUS[n], Decimal("0.05")),), (), None) for n in range(2)]
+    for n in range(200):
+        book.apply(f"k{n:03}", "/scratch", spec[n % 2])
+    snapshot = TelemetrySnapshot(source="nvml", success=True, devices=tuple(
+        DeviceReading(uuid=g, index=i, memory_total_bytes=40 * GIB, multiprocessor_count=108) for i, g in enumerate(GPUS)))
+    resolver = DeviceResolver(snapshot, GPUS)
+    acc, text = Accountant(clock), rendering.AccountingText()
+
+    def step(now: float) -> Accounting:
+        clock.now = now
+        view = book.view()
+        out = acc.update(view.kernels.values(), snapshot, resolver, CAPACITY, None, version=view.version,
+                         changes=lambda v: _changes(view, v))
+        assert inflate(text.render(out)) == render_families(rendering.accounting_families(out))
+        return out
+
+    first = step(0.0)
+    quiet = step(5.0)
+    assert quiet.moved_since(first) == frozenset()
+    made = []
+    of = rendering._Aligned.of.__func__
+    monkeypatch.setattr(rendering._Aligned, "of", classmethod(lambda cls, *a: made.append(a) or of(cls, *a)))
+    book.apply("k000", "/scratch", spec[1])  # moves from GPU a to GPU b
+    book.apply("k999", "/scratch", spec[0])  # comes
+    book.remove("k001")  # goes (its counters stay for the retention)
+    moved = step(10.0)
+    book.apply("k002", "/scratch", spec[1])
+    later = step(12.0)
+    assert moved.moved_since(quiet) == {("k000", GPUS[0]), ("k000", GPUS[1]), ("k999", GPUS[0]), ("k001", GPUS[1])}
+    assert later.moved_since(quiet) == moved.moved_since(quiet) | {("k002", GPUS[0]), ("k002", GPUS[1])}
+    assert later.moved_since(later) == frozenset() and quiet.moved_since(later) is None
+    assert made == []  # patched, never made again from every pair
+    assert ("k999", GPUS[0]) in text._order and ("k000", GPUS[1]) in text._order
+    settled = acc.update(book.view().kernels.values(), snapshot, resolver, CAPACITY, None)  # no version: a settle
+    assert settled.moved_since(later) is None
 
 
 def test_a_pass_after_a_few_changes_walks_only_them(monkeypatch) -> None:
