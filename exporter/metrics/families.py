@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
+from itertools import compress, count
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -82,8 +83,10 @@ def float_texts(values: list[float]) -> list[bytes]:
 
             texts = orjson.dumps(values)[1:-1].split(b",")
             if min(filter(None, values), default=_ORJSON_FROM) < _ORJSON_FROM:
-                for i in [i for i, v in enumerate(values) if 0.0 < v < _ORJSON_FROM]:
-                    texts[i] = repr(values[i]).encode()
+                # The indexes below 10**-4 found in C; zeros among them are written alike.
+                for i in compress(count(), map(_ORJSON_FROM.__gt__, values)):
+                    if values[i]:
+                        texts[i] = repr(values[i]).encode()
             if high >= _REPR_BELOW:
                 texts = [_go_exponent(t) if t.find(b".") > _GO_DIGITS else t for t in texts]
             return texts
