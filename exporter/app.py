@@ -77,8 +77,9 @@ class _Exposition:
     readiness, so the imports of prometheus_client and the renderer, a large part of a start's,
     are part of neither the start nor the first scrape."""
 
-    def __init__(self, inputs: Inputs, enabled: dict[str, bool], clock: Callable[[], float], openmetrics_created: bool = False) -> None:
-        self._inputs, self._enabled, self._clock = inputs, enabled, clock
+    def __init__(self, inputs: Inputs, enabled: dict[str, bool], clock: Callable[[], float], openmetrics_created: bool = False,
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
+        self._inputs, self._enabled, self._clock, self._monotonic = inputs, enabled, clock, monotonic
         self._openmetrics_created = openmetrics_created  # --web.openmetrics-created
         self._collector: ExporterCollector | None = None
         self._lock = threading.Lock()
@@ -93,7 +94,8 @@ class _Exposition:
                     from exporter.metrics.registry import ExporterCollector
 
                     self._collector = ExporterCollector(build_parts(self._inputs, self._enabled), self._clock,
-                                                        openmetrics_created=self._openmetrics_created)
+                                                        openmetrics_created=self._openmetrics_created,
+                                                        monotonic=self._monotonic)
                 collector = self._collector
         return collector
 
@@ -105,6 +107,13 @@ class _Exposition:
         """The current exposition if nothing has to be rendered for it, else None (never waits)."""
         collector = self._collector
         return collector.render_cached(gzipped, openmetrics) if collector is not None else None
+
+    def render_ahead(self, next_pass_in: float) -> None:
+        """A usage pass was published: render ahead what the next scrape will read (see
+        :meth:`~exporter.metrics.registry.ExporterCollector.render_ahead`)."""
+        collector = self._collector
+        if collector is not None:
+            collector.render_ahead(next_pass_in)
 
 
 def _boot_id(path: Path) -> str | None:
@@ -177,7 +186,7 @@ class Exporter:
         inputs = Inputs(self.book.view, lambda: self.pipeline.current, self.watcher.status, self._source.name,
                         self.layout.agents if self.layout.multi_agent else ((default_id,) if default_id else ()), series,
                         (lambda: self._labels_health) if self._labels else None, server_stats)
-        self.exposition = _Exposition(inputs, dict(config.collectors), clock, s.web_openmetrics_created)
+        self.exposition = _Exposition(inputs, dict(config.collectors), clock, s.web_openmetrics_created, monotonic)
         self.routes = Routes(Served(self.book.view, lambda: self.pipeline.current, self.exposition.render,
                                     self.exposition.render_cached, self._ready.is_set, self.watcher.status,
                                     tuple(self.layout.roots), s.alloc_map_format, lambda: self.book.version))
@@ -228,7 +237,7 @@ class Exporter:
         # The ledger's first pass, right after readiness, builds tables per (kernel, GPU) pair that
         # live as long as the start's objects: out of the collector's generations with them, or
         # every full collection walks them again (20-30 ms at 10,000 kernels, under the GIL).
-        self.pipeline.start(first=lambda: self.exposition.collector, counted=gc.freeze)
+        self.pipeline.start(first=lambda: self.exposition.collector, counted=gc.freeze, used=self.exposition.render_ahead)
         if self._labels is not None:
             # Readiness never waits on this opt-in source: its first read runs on its own thread.
             self._labeller = threading.Thread(target=self._labels_loop, name="docker-labels", daemon=True)

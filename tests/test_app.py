@@ -176,7 +176,7 @@ from exporter.app import Exporter
 from exporter.config import resolve
 from exporter.settings import Settings
 exporter = Exporter(resolve(Settings(scratch_roots=[Path({str(tmp_path)!r})], telemetry_source="none")))
-exporter.pipeline.start = lambda first=None, counted=None: None  # the threads that build the collector and count after readiness
+exporter.pipeline.start = lambda first=None, counted=None, used=None: None  # the threads that build the collector and count after readiness
 exporter.start()
 assert exporter.ready
 print(" ".join(sorted(sys.modules)))

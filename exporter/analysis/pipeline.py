@@ -254,12 +254,15 @@ class AnalysisPipeline:
         """The sampler published: run a usage pass soon. Cheap, never blocks."""
         self._sampled.set()
 
-    def start(self, first: Callable[[], None] | None = None, counted: Callable[[], None] | None = None) -> None:
+    def start(self, first: Callable[[], None] | None = None, counted: Callable[[], None] | None = None,
+              used: Callable[[float], None] | None = None) -> None:
         """Run passes on threads of their own; ``first`` runs on the allocation thread once before
         its first wait, ``counted`` on the usage thread once after its first pass (the ledger's
-        first, after ``step(ledger=False)``)."""
+        first, after ``step(ledger=False)``), ``used`` on the usage thread after each usage pass,
+        with the seconds until the next one is due."""
         self._threads = [threading.Thread(target=self._allocation_loop, args=(first,), name="analysis", daemon=True),
-                         threading.Thread(target=self._usage_loop, args=(counted,), name="analysis-usage", daemon=True)]
+                         threading.Thread(target=self._usage_loop, args=(counted, used), name="analysis-usage",
+                                          daemon=True)]
         for thread in self._threads:
             thread.start()
 
@@ -283,7 +286,7 @@ class AnalysisPipeline:
             self._changed.clear()
             self._guarded(self._allocation_pass)
 
-    def _usage_loop(self, counted: Callable[[], None] | None) -> None:
+    def _usage_loop(self, counted: Callable[[], None] | None, used: Callable[[float], None] | None) -> None:
         while not self._stop.is_set():
             self._sampled.wait(max(self._next_usage - self._monotonic(), 0.0))
             if self._stop.is_set():
@@ -291,6 +294,8 @@ class AnalysisPipeline:
             self._sampled.clear()
             if self._guarded(self._usage_pass):
                 self._changed.set()
+                if used is not None:
+                    self._guarded(lambda: used(max(self._next_usage - self._monotonic(), 0.0)))
             if counted is not None:
                 self._guarded(counted)
                 counted = None

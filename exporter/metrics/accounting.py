@@ -458,4 +458,4 @@ def _accounting(inputs: Inputs) -> list[Part]:
     text = AccountingText()
     return [Part("accounting", lambda: accounting_families(inputs.model().accounting), lambda: inputs.model().usage_version,
                  text=lambda: text.render(inputs.model().accounting), gzipped=True,
-                 health=lambda: accounting_health(inputs.model().accounting), openmetrics=text.openmetrics)]
+                 health=lambda: accounting_health(inputs.model().accounting), openmetrics=text.openmetrics, ahead=True)]

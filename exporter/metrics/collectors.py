@@ -44,6 +44,9 @@ class Part:
         and only that is cached: a plain scrape inflates it.
     :param openmetrics: the OpenMetrics 1.0 form of what the last ``text`` call gave, in the same
         encoding, without ``_created`` samples; None (or ``_created`` on): converted from the text.
+    :param ahead: render it after each analysis pass whose result the next scrape will read
+        (:meth:`~exporter.metrics.registry.ExporterCollector.render_ahead`), not in that scrape:
+        for a part whose token moves at every usage pass and whose render is long.
     """
 
     name: str
@@ -53,6 +56,7 @@ class Part:
     health: Callable[[], Health] | None = None
     gzipped: bool = False
     openmetrics: Callable[[], bytes | Deflated] | None = None
+    ahead: bool = False
 
 
 @dataclass(frozen=True)

@@ -204,6 +204,27 @@ def test_counted_runs_once_on_the_usage_thread_after_the_ledgers_first_pass() ->
     assert seen == [("analysis-usage", True)]
 
 
+def test_used_runs_on_the_usage_thread_after_each_usage_pass_with_the_time_to_the_next() -> None:
+    """``used`` (the exposition renders ahead what the next scrape reads) runs after every usage
+    pass, on the usage thread, told how long until the next pass is due, after the model is
+    published."""
+    book, telemetry = AllocationBook(clock=lambda: 0.0), Telemetry(snapshot("GPU-a"))
+    book.apply("k1", "/scratch", parse_resource(resource("GPU-a:0.5")))
+    p = AnalysisPipeline(PipelineConfig(params=HeadroomParams(mode="fractional"), interval=0.05), book.view, telemetry,
+                         accountant=Accountant())
+    p.step(ledger=False)
+    seen: list[tuple[str, float, int]] = []
+    p.start(used=lambda due: seen.append((threading.current_thread().name, due, p.current.usage_version)))
+    try:
+        assert wait_for(lambda: len(seen) >= 3)
+    finally:
+        p.close()
+    assert {name for name, _, _ in seen} == {"analysis-usage"}
+    assert all(0.0 <= due <= 0.05 for _, due, _ in seen)
+    versions = [version for _, _, version in seen]
+    assert versions == sorted(versions) and len(set(versions)) == len(versions)  # once per pass, each published
+
+
 def test_a_kernel_change_is_placed_while_a_usage_pass_runs() -> None:
     """The allocation stage never waits for the usage stage: with a usage pass held in the
     middle (an accountant that blocks), a kernel change still reaches headroom."""

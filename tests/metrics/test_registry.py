@@ -324,6 +324,35 @@ def test_render_cached_answers_only_from_current_text_and_never_waits() -> None:
     assert len(calls) == 2  # rendered by the two collectors, never by render_cached
 
 
+def test_a_part_marked_ahead_is_rendered_after_a_pass_the_next_scrape_will_read() -> None:
+    """After each usage pass the registry renders the ``ahead`` parts whose token moved when a
+    scrape is expected before the next pass (the last scrapes' median interval after the last),
+    so that scrape finds them rendered; no scrape expected, nothing is rendered ahead."""
+    now, token, renders = [0.0], [0], []
+
+    def ledger() -> list:
+        renders.append(token[0])
+        return [GaugeMetricFamily("gpu_alloc_ledger", "A part long to render", value=token[0])]
+
+    collector = ExporterCollector([Part("ledger", ledger, lambda: token[0], ahead=True),
+                                   Part("build", lambda: [build_info(None)], lambda: 0)], monotonic=lambda: now[0])
+    assert not collector.render_ahead(5.0)  # never scraped
+    for at in (0.0, 15.0, 30.0):
+        now[0] = at
+        collector.render(gzipped=True, openmetrics=True)
+    assert renders == [0]
+    token[0], now[0] = 1, 35.0  # a pass at 35 s, the next at 40 s: the scrape at 45 s reads the next one
+    assert not collector.render_ahead(5.0) and renders == [0]
+    token[0], now[0] = 2, 40.0  # the pass the scrape at 45 s reads
+    assert collector.render_ahead(5.0) and renders == [0, 2]
+    assert collector.render_cached(gzipped=True, openmetrics=True) is not None  # rendered, OpenMetrics form too
+    now[0] = 45.0
+    assert b"gpu_alloc_ledger 2.0" in gzip.decompress(collector.render(gzipped=True, openmetrics=True))
+    assert renders == [0, 2]  # the scrape rendered nothing
+    token[0], now[0] = 3, 200.0  # scrapes stopped: no render ahead
+    assert not collector.render_ahead(5.0) and renders == [0, 2]
+
+
 def test_a_gzipped_part_is_cached_compressed_and_inflated_for_a_plain_scrape() -> None:
     calls = []
 
