@@ -448,7 +448,8 @@ class AnalysisPipeline:
         out["attribution"] = attribution
         if self._ghost is not None:
             try:
-                ghost: GhostMemory | None = self._ghost.update(attribution, view.kernels, out.get("liveness", before))
+                ghost: GhostMemory | None = self._ghost.update(attribution, view.kernels, out.get("liveness", before),
+                                                               version=view.version, changes=partial(_changes, view))
             except Exception:
                 log.exception("ghost memory check failed")
                 ghost = None

@@ -185,6 +185,36 @@ def test_the_kernel_memory_is_bounded_and_holds_the_kernels_that_left(proc):
     assert len(node.ghost._kernels) == 2 and len(node.ghost._by_id) == 2
 
 
+def test_told_which_kernels_changed_it_looks_at_them_only(proc):
+    """With the book's record of changes, a pass after a kernel left memorises it from the
+    changes alone (no difference of every kernel's id), as the difference would."""
+    from exporter.analysis.pipeline import _changes
+    from exporter.scratch.allocation import AllocationBook
+    from exporter.scratch.resources import ResourceSpec
+
+    book = AllocationBook(clock=lambda: 0.0)
+    for i in range(5):
+        book.apply(f"k-{i}", "/scratch", ResourceSpec((), (), f"{i:064x}"))
+    told, walked = Node(proc).ghost, Node(proc).ghost
+    for ghost in (told, walked):
+        view = book.view()
+        ghost.remember(view.kernels, view.version, lambda v, view=view: _changes(view, v))
+    book.remove("k-3")
+    view = book.view()
+    asked = []
+
+    class Table(dict):  # the view's kernels, with their key set watched
+        def keys(self):
+            asked.append(True)
+            return super().keys()
+
+    told._current = Table(told._current)
+    told.remember(view.kernels, view.version, lambda v: _changes(view, v))
+    walked.remember(view.kernels)
+    assert not asked
+    assert told._by_id.keys() == walked._by_id.keys() == {"k-3"} and told._kernels.keys() == walked._kernels.keys()
+
+
 # -- usable memory in the node state --------------------------------------------------------------
 
 
