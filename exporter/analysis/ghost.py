@@ -159,8 +159,7 @@ class GhostTracker:
         look at the changed kernels, where ``changes`` tells them (as for
         :meth:`~exporter.analysis.accounting.Accountant.update`: an earlier ``version`` -> the
         kernels changed since, None where they went), else one difference of the two views' keys
-        (at 10,000 kernels ~2 ms: each new table's key set is built once), never a walk that
-        memorises every kernel."""
+        (each new table's key set is built for it), never a walk that memorises every kernel."""
         if kernels is self._current:
             return
         changed = changes(self._version) if changes is not None and self._version is not None else None

@@ -114,7 +114,8 @@ def render_families(families: list[Metric]) -> bytes:
     Every part that is not a text renderer of its own is written here after each change of its
     inputs, so after a kernel change a scrape writes a few hundred samples here. The library
     checks and escapes every metric and label name of every sample (Unicode names), and moves
-    OpenMetrics-only samples aside: ~3 times the cost of writing the line. This exporter's names
+    OpenMetrics-only samples aside: several times the cost of writing the line (BENCHMARKS.md,
+    figures behind design decisions). This exporter's names
     are all legacy names, checked once each here; a family with anything else (a name that
     needs escaping, a timestamp, a ``_created``, ``_gsum`` or ``_gcount`` sample) is written by
     the library itself. A property test holds the two together.
@@ -261,7 +262,7 @@ class ExporterCollector(Collector):
         """Render the parts marked :attr:`Part.ahead` whose token moved (a usage pass was just
         published), if the next scrape is expected before the next pass, ``next_pass_in`` seconds
         from now: that scrape reads this pass's result, and finds it rendered instead of waiting
-        for it (the ledger: ~10-40 ms at 10,000 kernels). Scrapes are expected at the median
+        for it (the ledger's render is the longest of a scrape's). Scrapes are expected at the median
         interval of the last ones after the last; none expected (fewer than three scrapes, or
         none for two intervals): nothing is rendered ahead, so a node nobody scrapes renders
         nothing, and one scraped every 15 s with a pass every 5 s renders once per scrape, as it

@@ -287,8 +287,8 @@ class ChunkedText:
     def _patch(self, chunk: _Chunk, current: list, kept: list, encode: Callable[[str, T], Sequence[bytes]]) -> None:
         """Re-encode only the keys whose object changed, their segments spliced into the chunk's
         text (inflated first if kept compressed) at the offsets kept for them: after one change a
-        render encodes one key, not its chunk's (64 kernels: ~0.5 ms; BENCHMARKS.md, figures
-        behind design decisions)."""
+        render encodes one key, not its chunk's (BENCHMARKS.md, figures behind design
+        decisions)."""
         moved = [i for i, (new, old) in enumerate(zip(current, kept, strict=True)) if new is not old and new != old]
         if len(moved) > len(current) // 8:  # many moved: encoding the chunk whole costs about the same
             self._encode(chunk, current, encode)
