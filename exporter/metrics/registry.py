@@ -115,10 +115,10 @@ def render_families(families: list[Metric]) -> bytes:
     inputs, so after a kernel change a scrape writes a few hundred samples here. The library
     checks and escapes every metric and label name of every sample (Unicode names), and moves
     OpenMetrics-only samples aside: several times the cost of writing the line (BENCHMARKS.md,
-    figures behind design decisions). This exporter's names
-    are all legacy names, checked once each here; a family with anything else (a name that
-    needs escaping, a timestamp, a ``_created``, ``_gsum`` or ``_gcount`` sample) is written by
-    the library itself. A property test holds the two together.
+    figures behind design decisions). This exporter's names are all legacy names, checked once
+    each here; a family with anything else (a name that needs escaping, a timestamp, a
+    ``_created``, ``_gsum`` or ``_gcount`` sample) is written by the library itself. A property
+    test holds the two together.
     """
     fmt = float_format()
     out: list[str] = []
@@ -262,11 +262,12 @@ class ExporterCollector(Collector):
         """Render the parts marked :attr:`Part.ahead` whose token moved (a usage pass was just
         published), if the next scrape is expected before the next pass, ``next_pass_in`` seconds
         from now: that scrape reads this pass's result, and finds it rendered instead of waiting
-        for it (the ledger's render is the longest of a scrape's). Scrapes are expected at the median
-        interval of the last ones after the last; none expected (fewer than three scrapes, or
-        none for two intervals): nothing is rendered ahead, so a node nobody scrapes renders
-        nothing, and one scraped every 15 s with a pass every 5 s renders once per scrape, as it
-        would in the scrape. Returns whether it rendered. Called on the analysis thread."""
+        for it (the ledger's render is the longest of a scrape's). Scrapes are expected at the
+        median interval of the last ones after the last; none expected (fewer than three
+        scrapes, or none for two intervals): nothing is rendered ahead, so a node nobody scrapes
+        renders nothing, and one scraped every 15 s with a pass every 5 s renders once per
+        scrape, as it would in the scrape. Returns whether it rendered. Called on the analysis
+        thread."""
         scraped, now = list(self._scraped), self._monotonic()
         if len(scraped) < 3:
             return False

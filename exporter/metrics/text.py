@@ -157,9 +157,10 @@ class ChunkedText:
     in chunks of about ``chunk_keys`` neighbours (bounded by their first keys, as a B-tree's
     leaves are, so a new key joins the chunk it sorts into and the others keep their contents);
     each chunk keeps its own text per section, or that text as a :class:`Deflated` piece (join them
-    with a :class:`Joiner`). After one key changes a render re-encodes one
-    chunk and hands out the same bytes objects for the rest: the cost of a change is one chunk's,
-    not the whole text's, at any number of keys.
+    with a :class:`Joiner`). After one key changes a render encodes that key, splices its
+    segments into its chunk's text at the offsets kept for each key, compresses that chunk again,
+    and hands out the same bytes objects for the rest: the cost of a change is one key's and one
+    chunk's compression, not the whole text's, at any number of keys.
 
     The objects must be immutable, so that an unchanged object encodes to the same segments (the
     allocation book hands out the same :class:`~exporter.scratch.allocation.Kernel` while a
