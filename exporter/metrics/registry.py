@@ -22,7 +22,6 @@ import dataclasses
 import functools
 import itertools
 import logging
-import math
 import re
 import threading
 import time
@@ -263,18 +262,18 @@ class ExporterCollector(Collector):
         published), if the next scrape is expected before the next pass, ``next_pass_in`` seconds
         from now: that scrape reads this pass's result, and finds it rendered instead of waiting
         for it (the ledger's render is the longest of a scrape's). Scrapes are expected at the
-        median interval of the last ones after the last; none expected (fewer than three
-        scrapes, or none for two intervals): nothing is rendered ahead, so a node nobody scrapes
-        renders nothing, and one scraped every 15 s with a pass every 5 s renders once per
-        scrape, as it would in the scrape. Returns whether it rendered. Called on the analysis
-        thread."""
+        median interval of the last ones after the last (a late one any moment); none expected
+        (fewer than three scrapes, or none for two intervals): nothing is rendered ahead, so a
+        node nobody scrapes renders nothing, and one scraped every 15 s with a pass every 5 s
+        renders once per scrape, as it would in the scrape. Returns whether it rendered. Called
+        on the analysis thread."""
         scraped, now = list(self._scraped), self._monotonic()
         if len(scraped) < 3:
             return False
         gap = sorted(b - a for a, b in itertools.pairwise(scraped))[(len(scraped) - 1) // 2]
         if gap <= 0.0 or now - scraped[-1] > 2 * gap:
             return False
-        expected = scraped[-1] + gap * max(1, math.ceil((now - scraped[-1]) / gap))  # the next one after now
+        expected = scraped[-1] + gap  # past: a late scrape, expected any moment
         if expected > now + next_pass_in:
             return False
         with self._lock:

@@ -349,8 +349,10 @@ def test_a_part_marked_ahead_is_rendered_after_a_pass_the_next_scrape_will_read(
     now[0] = 45.0
     assert b"gpu_alloc_ledger 2.0" in gzip.decompress(collector.render(gzipped=True, openmetrics=True))
     assert renders == [0, 2]  # the scrape rendered nothing
-    token[0], now[0] = 3, 200.0  # scrapes stopped: no render ahead
-    assert not collector.render_ahead(5.0) and renders == [0, 2]
+    token[0], now[0] = 3, 64.0  # the scrape due at 60 s is late: expected any moment
+    assert collector.render_ahead(5.0) and renders == [0, 2, 3]
+    token[0], now[0] = 4, 200.0  # scrapes stopped: no render ahead
+    assert not collector.render_ahead(5.0) and renders == [0, 2, 3]
 
 
 def test_a_gzipped_part_is_cached_compressed_and_inflated_for_a_plain_scrape() -> None:
