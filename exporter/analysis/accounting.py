@@ -105,16 +105,6 @@ class KernelUse:
     memory_ratio: float | None
 
 
-class _ShiftLog:
-    """The pairs each shift moved (:meth:`Accountant._shift`), in order, since the last settle:
-    a settle, which may move any counter, starts a new log. Entries are never changed."""
-
-    __slots__ = ("entries",)
-
-    def __init__(self) -> None:
-        self.entries: list[frozenset[_Pair]] = []
-
-
 @dataclass(frozen=True)
 class Accounting:
     """One pass's immutable result; every counter is as of the pass.
@@ -136,8 +126,10 @@ class Accounting:
     :param owner_energy_joules: (user_id, project_id) -> joules of its kernels.
     :param measured: GPU -> whether this pass measured its busy time (its energy ledger exists
         where its energy counter was read once: ``energy_joules`` and the device's).
-    :param shift_log: the ledger's record of shifts this result is part of, and ``shifts`` how
-        many of its entries it includes (see :meth:`moved_since`).
+    :param shift_log: the pairs each shift moved (:meth:`Accountant._shift`), in order, since the
+        last settle (a settle, which may move any counter, starts a new list; entries are only
+        appended), and ``shifts`` how many of its entries this result includes (see
+        :meth:`moved_since`).
     """
 
     shares: Mapping[_Pair, float] = field(default_factory=dict)
@@ -154,7 +146,7 @@ class Accounting:
     owner_busy_seconds: Mapping[_Owner, float] = field(default_factory=dict)
     owner_energy_joules: Mapping[_Owner, float] = field(default_factory=dict)
     measured: Mapping[str, bool] = field(default_factory=dict)
-    shift_log: _ShiftLog | None = field(default=None, compare=False, repr=False)
+    shift_log: list[frozenset[_Pair]] | None = field(default=None, compare=False, repr=False)
     shifts: int = field(default=0, compare=False)
 
     def moved_since(self, earlier: Accounting) -> frozenset[_Pair] | None:
@@ -165,7 +157,7 @@ class Accounting:
         log = self.shift_log
         if log is None or earlier.shift_log is not log or earlier.shifts > self.shifts:
             return None
-        return frozenset().union(*log.entries[earlier.shifts:self.shifts])
+        return frozenset().union(*log[earlier.shifts:self.shifts])
 
 
 class _Counters(Mapping):
@@ -454,7 +446,7 @@ class Accountant:
         self._devices: tuple[str, ...] = ()
         self._inventory_gpus: frozenset[str] = frozenset()
         self._index: _Index | None = None
-        self._log = _ShiftLog()  # the pairs each shift since the last settle moved
+        self._log: list[frozenset[_Pair]] = []  # the pairs each shift since the last settle moved
         # The joule drives of the last result handed out: (per GPU, per unit of share).
         self._shown: tuple[Mapping[str, float], Mapping[str, float]] = ({}, {})
         # The read-only view of ``_busy`` handed out, made where the table is replaced: the same
@@ -516,7 +508,7 @@ class Accountant:
         step = _Pass(now, tuple(sorted(devices)), busy_measured, again, raw, frozenset(active), mig, owners)
         self._settle(step, dict(sorted(shares.items())), present)
         self._devices, self._inventory_gpus, self._index = step.devices, frozenset(inventory), None
-        self._log = _ShiftLog()
+        self._log = []
         flags = MappingProxyType({gpu: gpu in busy_measured or gpu in again for gpu in step.devices})
         return self._publish(MappingProxyType(shares), MappingProxyType(uses), now, flags)
 
@@ -553,7 +545,7 @@ class Accountant:
             owner_energy_joules=DrivenCounters(self._own_energy_base, self._own_fracs, per_share),
             measured=flags,
             shift_log=self._log,
-            shifts=len(self._log.entries),
+            shifts=len(self._log),
         )
         return self._result
 
@@ -764,9 +756,9 @@ class Accountant:
                                             present=[key for key in started if key[1] in energy_gpus], keep_rates=True)[0]
         self._alloc_base, self._fracs = _rebased_driven(self._alloc_base, self._fracs, fracs, seconds, present=started)
         counted.update(key[0] for key in started)
-        if len(self._log.entries) >= _SHIFT_LOG:  # a renderer that far behind redoes its tables once
-            self._log = _ShiftLog()
-        self._log.entries.append(frozenset(moved))
+        if len(self._log) >= _SHIFT_LOG:  # a renderer that far behind redoes its tables once
+            self._log = []
+        self._log.append(frozenset(moved))
         self._shares = shares = dict(shares0)
         for key, share in moved.items():
             if share:

@@ -332,9 +332,8 @@ class AccountingText:
         else every table's keys are compared with the pairs known."""
         sources = tuple(values.terms()[0] if isinstance(values, DrivenCounters) else values
                         for values in (result.shares, result.allocated_seconds, result.busy_seconds, result.energy_joules))
-        self._before = self._order
+        self._before, self._edits = self._order, ([], [])
         if len(self._pair_sources) == len(sources) and all(a is b for a, b in zip(self._pair_sources, sources, strict=True)):
-            self._edits = ([], [])
             return self._order, self._ordered_labels
         tables = (result.shares.keys(), result.allocated_seconds.keys(), result.busy_seconds.keys(),
                   result.energy_joules.keys())
@@ -363,8 +362,6 @@ class AccountingText:
                 labels.insert(at, self._pair_label(key))
                 inserted.append((at, key))
             self._order, self._ordered_labels, self._edits = order, labels, (removed, inserted)
-        else:
-            self._edits = ([], [])
         self._pair_sources = sources
         return self._order, self._ordered_labels
 

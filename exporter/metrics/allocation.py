@@ -115,8 +115,7 @@ class KernelText:
     a render encodes the changed kernel into the chunk of neighbouring kernels it is in
     (:class:`ChunkedText`) and hands out the others' text (or compressed pieces) as they were:
     after one file changes, a render encodes one kernel and compresses a few KiB, at any number of
-    kernels. The
-    samples of these gauges read the same in OpenMetrics; only the HELP, TYPE and UNIT lines
+    kernels. The samples of these gauges read the same in OpenMetrics; only the HELP, TYPE and UNIT lines
     between them differ, so the OpenMetrics form of a render shares its samples' bytes. The text
     equals ``generate_latest`` over :func:`kernel_families` (a test holds them together), and
     the OpenMetrics form :func:`~exporter.metrics.text.openmetrics_text` of it.
