@@ -14,7 +14,7 @@ from array import array
 from bisect import bisect_right, insort
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import accumulate, chain, pairwise
+from itertools import accumulate, chain
 from operator import is_
 from types import ModuleType
 from typing import TypeVar
@@ -230,9 +230,9 @@ class ChunkedText:
             kept = chunk.objects
             if self._weak and kept is not None:
                 kept = list(map(_dereference, kept))  # None for an object gone since
-            if n in touched or kept is None:
+            if kept is None:
                 self._encode(chunk, current, encode)
-            elif current != kept:
+            elif n in touched or current != kept:
                 self._patch(chunk, current, kept, encode)
         self._firsts = [c.keys[0] for c in self._chunks]
         return [[c.pieces[s] for c in self._chunks if c.pieces[s]] for s in range(self._sections)]
@@ -286,44 +286,50 @@ class ChunkedText:
         self._keep(chunk, current, pieces, ends)
 
     def _patch(self, chunk: _Chunk, current: list, kept: list, encode: Callable[[str, T], Sequence[bytes]]) -> None:
-        """Re-encode only the keys whose object changed, their segments spliced into the chunk's
-        text (inflated first if kept compressed) at the offsets kept for them: after one change a
-        render encodes one key, not its chunk's (BENCHMARKS.md, figures behind design
-        decisions)."""
-        moved = [i for i, (new, old) in enumerate(zip(current, kept, strict=True)) if new is not old and new != old]
-        if len(moved) > len(current) // 8:  # many moved: encoding the chunk whole costs about the same
+        """Encode only the keys that came or whose object changed; every other key's segments are
+        cut from the chunk's text (inflated first if kept compressed) at the offsets kept for
+        them: after one kernel changes, starts or ends, a render encodes one key, not its
+        chunk's (BENCHMARKS.md, figures behind design decisions)."""
+        if chunk.encoded == chunk.keys:  # the same keys: each kept at its place, unless it changed
+            source = [i if new is old or new == old else -1 for i, (new, old) in enumerate(zip(current, kept, strict=True))]
+        else:  # keys came or went (_move_keys): each key kept is found where it was
+            at = {key: i for i, key in enumerate(chunk.encoded)}
+            source = []
+            for key, new in zip(chunk.keys, current, strict=True):
+                i = at.get(key, -1)
+                source.append(i if i >= 0 and (new is kept[i] or new == kept[i]) else -1)
+        fresh = [j for j, i in enumerate(source) if i < 0]
+        if len(fresh) > len(current) // 8:  # many: encoding the chunk whole costs about the same
             self._encode(chunk, current, encode)
             return
-        segments = [encode(chunk.keys[i], current[i]) for i in moved]
+        segments = dict(zip(fresh, (encode(chunk.keys[j], current[j]) for j in fresh), strict=True))
         pieces, ends = [], []
         for s, (piece, bounds) in enumerate(zip(chunk.pieces, chunk.ends, strict=True)):
             text = inflate(piece) if self._gzipped else piece
-            out, lengths, at = [], [b - a for a, b in pairwise((0, *bounds))], 0
-            for i, segment in zip(moved, segments, strict=True):
-                out += (text[at:bounds[i] - lengths[i]], segment[s])
-                at, lengths[i] = bounds[i], len(segment[s])
-            out.append(text[at:])
+            starts = [0, *bounds[:-1]]
+            out = [text[starts[i]:bounds[i]] if i >= 0 else segments[j][s] for j, i in enumerate(source)]
+            ends.append(array("I", accumulate(map(len, out))))
             text = b"".join(out)
-            ends.append(array("I", accumulate(lengths)))
             pieces.append(deflate(text) if self._gzipped else text)
         self._keep(chunk, current, pieces, ends)
 
     def _keep(self, chunk: _Chunk, current: list, pieces: list[bytes | Deflated], ends: list[array]) -> None:
         chunk.objects = list(map(weakref.ref, current)) if self._weak else current
-        chunk.pieces, chunk.ends = pieces, ends
+        chunk.pieces, chunk.ends, chunk.encoded = pieces, ends, list(chunk.keys)
 
 
 _dereference = weakref.ref.__call__
 
 
 class _Chunk:
-    """Neighbouring keys (sorted), the objects their text was encoded from, and that text per
-    section (or its :class:`Deflated` piece), with where each key's segment ends in it."""
+    """Neighbouring keys (sorted), the keys and objects its text was encoded from, and that text
+    per section (or its :class:`Deflated` piece), with where each key's segment ends in it."""
 
-    __slots__ = ("ends", "keys", "objects", "pieces")
+    __slots__ = ("encoded", "ends", "keys", "objects", "pieces")
 
     def __init__(self, keys: list[str]) -> None:
         self.keys = keys
+        self.encoded: list[str] = []  # the keys ``objects`` and the text are of (``keys`` moves first)
         self.objects: list | None = None  # None: not encoded yet
         self.pieces: list[bytes | Deflated] = []
         self.ends: list[array] = []  # per section, each key's segment's end offset in its text (bytes)

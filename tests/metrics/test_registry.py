@@ -240,8 +240,8 @@ def test_chunked_text_encodes_only_the_chunks_of_changed_keys() -> None:
 
 @pytest.mark.parametrize("gzipped", [False, True])
 def test_chunked_text_encodes_only_the_changed_keys_of_a_large_chunk(gzipped) -> None:
-    """A few changed keys of a chunk are encoded alone and spliced into its text; many, or keys
-    that came or went, encode the chunk whole."""
+    """A few changed, new or ended keys of a chunk: only the changed and new ones are encoded, the
+    others cut from its text; many: the chunk is encoded whole."""
     encoded = []
 
     def encode(key: str, obj: _Obj) -> tuple[bytes, bytes]:
@@ -262,10 +262,16 @@ def test_chunked_text_encodes_only_the_changed_keys_of_a_large_chunk(gzipped) ->
     assert text(sections) == b"".join(o.value.encode() for o in objects.values())
     assert text(sections, 1) == b"7k17k27"  # the keys ending in 7, k07's new segment spliced in
     encoded.clear()
+    objects = {k: o for k, o in objects.items() if k != "k05"} | {"k050": _Obj("new")}  # one came, one went
+    sections = chunked.render(objects, encode, changed={"k05", "k050"})
+    assert encoded == ["k050"]
+    assert text(sections) == b"".join(objects[k].value.encode() for k in sorted(objects))
+    assert text(sections, 1) == b"7k17k27"
+    encoded.clear()
     objects = {**objects, **{k: _Obj(k.upper()) for k in keys[16:20]}}  # 4 of 16: the chunk whole
     sections = chunked.render(objects, encode)
     assert sorted(encoded) == keys[16:]
-    assert text(sections) == b"".join(o.value.encode() for o in objects.values())
+    assert text(sections) == b"".join(objects[k].value.encode() for k in sorted(objects))
 
 
 def test_kernel_text_openmetrics_form_is_the_conversion_of_its_text() -> None:
