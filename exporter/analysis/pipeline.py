@@ -85,6 +85,15 @@ class PipelineConfig:
     shapes: tuple[Shape, ...] = DEFAULT_SHAPES  # --fleet.shape: request shapes judged per node
 
 
+def _moved(before: Mapping[str, KernelLiveness], after: Mapping[str, KernelLiveness],
+           judged: frozenset[str] | None) -> bool:
+    """Whether any verdict differs; only the ``judged`` kernels' can (None: any kernel's). At
+    10,000 kernels a comparison of every verdict holds the GIL ~2 ms after each change."""
+    if judged is None:
+        return after != before
+    return any(after.get(kid) != before.get(kid) for kid in judged)
+
+
 def gpu_ids(view: AllocationView) -> frozenset[str]:
     # Only GPU slots decide the id scheme: CPU core ids ("0", "1") would look like ordinals.
     return frozenset(d for d, slot in view.device_totals if slot.startswith("cuda."))
@@ -431,7 +440,7 @@ class AnalysisPipeline:
             self._log_stale_changes(before, liveness, judged)
             visible = cgroups.visible if cgroups else None
             was_visible = prev.cgroups.visible if prev and prev.cgroups else None
-            if prev is None or liveness != before or visible != was_visible:
+            if prev is None or visible != was_visible or _moved(before, liveness, judged):
                 out.update(liveness=liveness, liveness_version=prev.liveness_version + 1 if prev else 1)
             elif self._stale[0] is liveness:  # the same verdicts: the model keeps the old result
                 self._stale = (before, self._stale[1])
