@@ -47,7 +47,7 @@ class StateText:
     The entries are kept per chunk of neighbouring kernels, compressed
     (:class:`~exporter.metrics.text.ChunkedText`, with weak references to the kernels, so that
     ended kernels are not kept alive until the next request): a document after a change encodes
-    that kernel's chunk and inflates the rest (10,000 kernels: a 7.3 MiB document, its entries
+    that kernel's entry and inflates the rest (10,000 kernels: a 7.3 MiB document, its entries
     kept as 0.39 MiB; ~0.05 s after one change against ~0.8 s for the first; BENCHMARKS.md,
     "50,000 kernels: peaks and deletion"). Neither the view nor the last document is kept.
 

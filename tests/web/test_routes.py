@@ -85,7 +85,7 @@ def test_state_text_keeps_neither_the_view_nor_the_document(monkeypatch) -> None
     gc.collect()
     assert ended() is None  # an ended kernel is not kept alive by the entries kept for the next request
     assert text.render(book.view(), roots, None) == expected(book.view(), roots, None)
-    assert encoded == ["k1", "k2", "k2"]  # the chunk k1 left, encoded again
+    assert encoded == ["k1", "k2"]  # k1 left its chunk: k2's entry is cut from the chunk's text, not encoded again
 
 
 def test_state_text_renders_each_view_whole_whatever_came_before() -> None:
