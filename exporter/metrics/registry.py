@@ -198,6 +198,10 @@ class ExporterCollector(Collector):
             raise ValueError(f"collector part names repeat: {names}")
         self._clock = clock
         self._lock = threading.Lock()
+        # The parts a render ahead is making (outside the lock) and its end: meanwhile a scrape
+        # serves their last render, or waits for the next where that lacks its form.
+        self._ahead: set[str] = set()
+        self._ahead_done = threading.Condition(self._lock)
         self._cache: dict[str, _Cached] = {}
         self._bodies: dict[tuple[bool, bool], _Body] = {}  # (openmetrics, gzipped) -> the current render's body
         self._created: dict[str, CreatedTimes] | None = {} if openmetrics_created else None  # part name -> its counters
@@ -244,7 +248,7 @@ class ExporterCollector(Collector):
         try:
             for part in self._parts:
                 cached = self._cache.get(part.name)
-                if cached is None or cached.token != part.token():
+                if cached is None or (cached.token != part.token() and part.name not in self._ahead):
                     return None
                 if not cached.has(openmetrics) or (gzipped and cached.held(openmetrics, True) is None):
                     return None
@@ -266,7 +270,12 @@ class ExporterCollector(Collector):
         (fewer than three scrapes, or none for two intervals): nothing is rendered ahead, so a
         node nobody scrapes renders nothing, and one scraped every 15 s with a pass every 5 s
         renders once per scrape, as it would in the scrape. Returns whether it rendered. Called
-        on the analysis thread."""
+        on the analysis thread.
+
+        The parts are rendered outside the registry's lock: a scrape meanwhile serves their last
+        render (one pass older: the ledger's counters as of the pass before, still monotonic)
+        instead of waiting for the new one (~20-35 ms at 10,000 kernels, BENCHMARKS.md i10), or
+        waits for it where the last render lacks the form it asks for."""
         scraped, now = list(self._scraped), self._monotonic()
         if len(scraped) < 3:
             return False
@@ -277,13 +286,26 @@ class ExporterCollector(Collector):
         if expected > now + next_pass_in:
             return False
         with self._lock:
-            for part in self._parts:
-                if not part.ahead:
-                    continue
+            parts = [part for part in self._parts if part.ahead]
+            kept = {part.name: self._cache.get(part.name) for part in parts}
+            form = self._form  # the last scrape's format and encoding
+            self._ahead.update(kept)
+        made: dict[str, _Cached | None] = {}
+        try:
+            for part in parts:  # only this thread renders these parts until they are unmarked
                 try:
-                    self._made(part, *self._form)  # in the last scrape's format and encoding
+                    made[part.name] = self._make(part, kept[part.name], *form)
                 except Exception:  # the scrape renders it again, and reports the failure
-                    self._cache.pop(part.name, None)
+                    made[part.name] = None
+        finally:
+            with self._lock:
+                for name, cached in made.items():
+                    if cached is None:
+                        self._cache.pop(name, None)
+                    elif cached is not kept[name]:  # else a scrape may have added a form to it meanwhile
+                        self._cache[name] = cached
+                self._ahead.difference_update(kept)
+                self._ahead_done.notify_all()
         return True
 
     def _scrape(self, openmetrics: bool, gzipped: bool) -> None:
@@ -327,14 +349,35 @@ class ExporterCollector(Collector):
         return body
 
     def _made(self, part: Part, openmetrics: bool, gzipped: bool) -> _Cached:
-        """The part's current render, with its form in that format and encoding made."""
-        cached = self._current(part)
+        """The part's current render, with its form in that format and encoding made (under the
+        lock). A part being rendered ahead: its last render, or the next where that lacks the form."""
+        cached = self._cache.get(part.name)
+        while part.name in self._ahead:
+            if cached is not None and cached.has(openmetrics):
+                made = self._make(part, cached, openmetrics, gzipped, current=True)  # at most a deflate of its text
+                break
+            self._ahead_done.wait()
+            cached = self._cache.get(part.name)
+        else:
+            made = self._make(part, cached, openmetrics, gzipped)
+        if made is not cached:
+            self._cache[part.name] = made
+        return made
+
+    def _make(self, part: Part, cached: _Cached | None, openmetrics: bool, gzipped: bool, current: bool = False) -> _Cached:
+        """``cached`` if it is the part's current render (``current``: taken as such) with the form
+        made, else a new render with it; stores nothing."""
+        token = None if current and cached is not None else part.token()  # read before the render it names
+        if cached is None or (not current and cached.token != token):
+            start = time.perf_counter()
+            text = part.text() if part.text is not None else render_families(list(part.families()))
+            plain, piece = (None, text) if part.gzipped else (text, None)
+            cached = _Cached(token, plain, piece, time.perf_counter() - start, self._clock())
         if openmetrics and not cached.has(True):
             cached = self._openmetrics(part, cached)
         if gzipped and cached.held(openmetrics, True) is None:
             piece = deflate(cached.plain(openmetrics))
             cached = dataclasses.replace(cached, **{"om_gzipped" if openmetrics else "gzipped": piece})
-            self._cache[part.name] = cached
         return cached
 
     def _openmetrics(self, part: Part, cached: _Cached) -> _Cached:
@@ -348,20 +391,7 @@ class ExporterCollector(Collector):
             form = openmetrics_text(cached.plain(), created, cached.rendered_at)
             if cached.text is None:
                 form = deflate(form)
-        cached = dataclasses.replace(cached, **{"om_gzipped" if cached.text is None else "om_text": form})
-        self._cache[part.name] = cached
-        return cached
-
-    def _current(self, part: Part) -> _Cached:
-        token = part.token()
-        cached = self._cache.get(part.name)
-        if cached is None or cached.token != token:
-            start = time.perf_counter()
-            text = part.text() if part.text is not None else render_families(list(part.families()))
-            plain, piece = (None, text) if part.gzipped else (text, None)
-            cached = _Cached(token, plain, piece, time.perf_counter() - start, self._clock())
-            self._cache[part.name] = cached
-        return cached
+        return dataclasses.replace(cached, **{"om_gzipped" if cached.text is None else "om_text": form})
 
     def _health(self, part: Part) -> Health:
         health = part.health() if part.health is not None else Health(True)

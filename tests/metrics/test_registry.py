@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import re
 import subprocess
+import threading
 import zlib
 from decimal import Decimal
 from pathlib import Path
@@ -359,6 +360,52 @@ def test_a_part_marked_ahead_is_rendered_after_a_pass_the_next_scrape_will_read(
     assert collector.render_ahead(5.0) and renders == [0, 2, 3]
     token[0], now[0] = 4, 200.0  # scrapes stopped: no render ahead
     assert not collector.render_ahead(5.0) and renders == [0, 2, 3]
+
+
+@pytest.mark.parametrize("made_form", [True, False])
+def test_a_scrape_during_a_render_ahead_serves_the_last_render_or_waits_for_the_form_it_lacks(made_form) -> None:
+    """While a part is rendered ahead (outside the registry's lock), a scrape serves its last
+    render at once, from the serving loop too, and never renders the part beside it; a scrape
+    in a form the last render lacks waits for the new one. The scrape after gets the new render."""
+    now, token, entered, release, busy = [0.0], [0], threading.Event(), threading.Event(), []
+
+    def ledger() -> list:
+        assert not busy, "rendered twice at once"
+        busy.append(token[0])
+        try:
+            if token[0] == 2:
+                entered.set()
+                assert release.wait(10)
+            return [GaugeMetricFamily("gpu_alloc_ledger", "A part long to render", value=token[0])]
+        finally:
+            busy.clear()
+
+    collector = ExporterCollector([Part("ledger", ledger, lambda: token[0], ahead=True),
+                                   Part("build", lambda: [build_info(None)], lambda: 0)], monotonic=lambda: now[0])
+    for at in (0.0, 15.0, 30.0):  # scraped in OpenMetrics, or in the text format only
+        now[0] = at
+        collector.render(gzipped=True, openmetrics=made_form)
+    token[0], now[0] = 2, 40.0
+    ahead = threading.Thread(target=collector.render_ahead, args=(5.0,))
+    ahead.start()
+    assert entered.wait(10)
+    scraped: list[bytes] = []
+    scrape = threading.Thread(target=lambda: scraped.append(gzip.decompress(collector.render(gzipped=True, openmetrics=True))))
+    scrape.start()
+    scrape.join(0.2)
+    try:
+        if made_form:
+            assert not scrape.is_alive() and b"gpu_alloc_ledger 0.0" in scraped[0]  # the last render, at once
+            assert b"gpu_alloc_ledger 0.0" in gzip.decompress(collector.render_cached(gzipped=True, openmetrics=True))
+        else:
+            assert scrape.is_alive()  # no OpenMetrics form of the last render: it waits for the new one
+    finally:
+        release.set()
+        ahead.join(10)
+        scrape.join(10)
+    if not made_form:
+        assert b"gpu_alloc_ledger 2.0" in scraped[0]
+    assert b"gpu_alloc_ledger 2.0" in gzip.decompress(collector.render(gzipped=True, openmetrics=True))
 
 
 def test_a_gzipped_part_is_cached_compressed_and_inflated_for_a_plain_scrape() -> None:
