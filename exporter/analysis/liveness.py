@@ -48,6 +48,7 @@ __all__ = [
     "classify_kernels",
     "container_id_of",
     "scan_cgroups",
+    "summarise",
     "time_moves",
 ]
 
@@ -210,3 +211,12 @@ def classify_kernels(
         )
         for kid, k in kernels.items()
     }
+
+
+def summarise(liveness: Mapping[str, KernelLiveness]) -> tuple[dict[str, KernelLiveness], dict[Liveness, int]]:
+    """The stale verdicts of ``liveness`` and the number of verdicts per status, from every
+    verdict (the pipeline keeps both as kernels change instead)."""
+    counts: dict[Liveness, int] = {}
+    for verdict in liveness.values():
+        counts[verdict.status] = counts.get(verdict.status, 0) + 1
+    return {k: v for k, v in liveness.items() if v.status is Liveness.STALE}, counts

@@ -103,6 +103,10 @@ class Analysis:
     agents: Mapping[str, AgentShare] = field(default_factory=dict)  # multi-agent hosts only
     cgroups: CgroupScan | None = None
     liveness: Mapping[str, KernelLiveness] = field(default_factory=dict)
+    # Of ``liveness``: its stale verdicts and its number of verdicts per status, published with
+    # it (kept as kernels change: a reader never walks every kernel's verdict).
+    stale_kernels: Mapping[str, KernelLiveness] = field(default_factory=dict)
+    liveness_counts: Mapping[Liveness, int] = field(default_factory=dict)
     attribution: AttributionResult | None = None
     accounting: Accounting | None = None
     # Ghost memory of the last usage pass (None: not tracked, or the check failed), and per

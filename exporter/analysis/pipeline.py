@@ -37,7 +37,15 @@ from exporter.analysis.attribution import AttributionResult, AttributionTracker
 from exporter.analysis.capacity import CapacityConfig, is_fractional_slot
 from exporter.analysis.ghost import GhostMemory, GhostTracker
 from exporter.analysis.health import HealthTracker
-from exporter.analysis.liveness import CgroupScan, KernelLiveness, Liveness, classify_kernels, scan_cgroups, time_moves
+from exporter.analysis.liveness import (
+    CgroupScan,
+    KernelLiveness,
+    Liveness,
+    classify_kernels,
+    scan_cgroups,
+    summarise,
+    time_moves,
+)
 from exporter.analysis.model import AgentShare, Analysis
 from exporter.analysis.node import (
     HeadroomParams,
@@ -92,6 +100,18 @@ def _moved(before: Mapping[str, KernelLiveness], after: Mapping[str, KernelLiven
     if judged is None:
         return after != before
     return any(after.get(kid) != before.get(kid) for kid in judged)
+
+
+def _recounted(counts: Mapping[Liveness, int], before: Mapping[str, KernelLiveness], after: Mapping[str, KernelLiveness],
+               judged: frozenset[str]) -> dict[Liveness, int]:
+    """``counts`` (the verdicts per status of ``before``) moved by the ``judged`` kernels' verdicts."""
+    new = dict(counts)
+    for kid in judged:
+        if (verdict := before.get(kid)) is not None:
+            new[verdict.status] = new.get(verdict.status, 0) - 1
+        if (verdict := after.get(kid)) is not None:
+            new[verdict.status] = new.get(verdict.status, 0) + 1
+    return {status: n for status, n in new.items() if n}  # as summarise counts
 
 
 def gpu_ids(view: AllocationView) -> frozenset[str]:
@@ -187,9 +207,10 @@ def analyse(
     snapshot = snapshot or TelemetrySnapshot(source="none")
     resolver, inventory = device_join(view, snapshot, scheme)
     liveness = liveness or {}
+    stale, counts = summarise(liveness)
     fields = _allocation_stage(view, snapshot, resolver, inventory, params, layout, liveness, shapes=shapes)
     return Analysis(view=view, snapshot=snapshot, resolver=resolver, inventory=inventory, layout=layout,
-                    liveness=liveness, **fields)
+                    liveness=liveness, stale_kernels=stale, liveness_counts=counts, **fields)
 
 
 class AnalysisPipeline:
@@ -441,7 +462,13 @@ class AnalysisPipeline:
             visible = cgroups.visible if cgroups else None
             was_visible = prev.cgroups.visible if prev and prev.cgroups else None
             if prev is None or visible != was_visible or _moved(before, liveness, judged):
-                out.update(liveness=liveness, liveness_version=prev.liveness_version + 1 if prev else 1)
+                if prev is not None and judged is not None:  # only the judged kernels' verdicts moved
+                    stale, counts = self._stale_of(liveness), _recounted(prev.liveness_counts, before, liveness, judged)
+                else:
+                    stale, counts = summarise(liveness)
+                    self._stale = (liveness, stale)
+                out.update(liveness=liveness, liveness_version=prev.liveness_version + 1 if prev else 1,
+                           stale_kernels=stale, liveness_counts=counts)
             elif self._stale[0] is liveness:  # the same verdicts: the model keeps the old result
                 self._stale = (before, self._stale[1])
             out["cgroups"] = cgroups

@@ -13,7 +13,6 @@ Device ids are the agent's (as in ``resource.txt``). Every figure is explained, 
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Mapping
 from decimal import Decimal
 from typing import TYPE_CHECKING
@@ -46,20 +45,17 @@ def _headroom(inputs: Inputs) -> list[Part]:
 
 
 class LivenessRows:
-    """The stale kernels (sorted) and the count per status of one liveness result, kept until
-    the next one: liveness has a verdict for every kernel and moves every few seconds at most,
-    while the headroom families are rendered again on every kernel change."""
+    """The stale kernels of one liveness result, sorted, kept until the next one: the headroom
+    families are rendered again on every kernel change, the stale kernels move far less often."""
 
     def __init__(self) -> None:
         self._of: Mapping[str, KernelLiveness] | None = None
-        self._rows: tuple[list[tuple[str, str]], Counter] = ([], Counter())
+        self._rows: list[tuple[str, str]] = []
 
-    def __call__(self, liveness: Mapping[str, KernelLiveness]) -> tuple[list[tuple[str, str]], Counter]:
-        """(kernel id, reason) of each stale kernel, in kernel id order, and verdicts per status."""
-        if liveness is not self._of:
-            # Sort only the stale ones: at 10,000 kernels sorting every verdict would dominate.
-            stale = sorted((k, v.reason) for k, v in liveness.items() if v.status is Liveness.STALE)
-            self._rows, self._of = (stale, Counter(v.status for v in liveness.values())), liveness
+    def __call__(self, stale: Mapping[str, KernelLiveness]) -> list[tuple[str, str]]:
+        """(kernel id, reason) of each stale kernel, in kernel id order."""
+        if stale is not self._of:
+            self._rows, self._of = sorted((k, v.reason) for k, v in stale.items()), stale
         return self._rows
 
 
@@ -162,7 +158,7 @@ def _mig_families(figures: HeadroomFigures) -> list[Metric]:
 
 
 def _stale_families(model: Analysis, liveness_rows: LivenessRows) -> list[Metric]:
-    state, liveness = model.state, model.liveness
+    state = model.state
     cgroup_visible = model.cgroups.visible if model.cgroups else None
     held = gauge(
         "gpu_alloc_device_stale_allocated",
@@ -174,11 +170,10 @@ def _stale_families(model: Analysis, liveness_rows: LivenessRows) -> list[Metric
         held.add_metric([device_id, slot], float(amount))
     stale = gauge("gpu_alloc_kernel_stale", "1 for each stale kernel, with why it is judged stale", ["kernel_id", "reason"])
     counts = gauge("gpu_alloc_kernels_liveness", "Kernel scratch directories by liveness (live, stale, unknown)", ["status"])
-    stale_rows, by_status = liveness_rows(liveness)
-    for kernel_id, reason in stale_rows:
+    for kernel_id, reason in liveness_rows(model.stale_kernels):
         stale.add_metric([kernel_id, reason], 1)
     for status in Liveness:
-        counts.add_metric([status.value], by_status[status])
+        counts.add_metric([status.value], model.liveness_counts.get(status, 0))
     out: list[Metric] = [held, stale, counts]
     if cgroup_visible is not None:
         visible = "1 if the cgroup tree shows the host's containers (else liveness is unknown)"

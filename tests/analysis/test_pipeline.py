@@ -329,7 +329,7 @@ def test_a_kernel_change_judges_only_the_changed_kernels(tmp_path: Path, monkeyp
     import random
 
     from exporter.analysis import pipeline as pipeline_module
-    from exporter.analysis.liveness import classify_kernels, scan_cgroups
+    from exporter.analysis.liveness import classify_kernels, scan_cgroups, summarise
 
     cgroup = tmp_path / "cgroup"
     (cgroup / "system.slice").mkdir(parents=True)
@@ -364,6 +364,7 @@ def test_a_kernel_change_judges_only_the_changed_kernels(tmp_path: Path, monkeyp
         view = book.view()
         touched = {kid for kid in touched if view.kernels.get(kid) is not before.view.kernels.get(kid)}  # re-applied: no change
         every = classify_kernels(view.kernels, scan_cgroups(cgroup), clock.now, 7.0)
+        assert (dict(model.stale_kernels), dict(model.liveness_counts)) == summarise(model.liveness)  # kept, not walked
         if judged == [len(view.kernels)]:
             full += 1
             assert dict(model.liveness) == every

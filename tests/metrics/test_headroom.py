@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from exporter.analysis.agents import AgentLayout
 from exporter.analysis.capacity import CapacityConfig, GpuInventory
-from exporter.analysis.liveness import CgroupScan, KernelLiveness, Liveness
+from exporter.analysis.liveness import CgroupScan, KernelLiveness, Liveness, summarise
 from exporter.analysis.model import Analysis
 from exporter.analysis.node import (
     HeadroomParams,
@@ -118,8 +118,10 @@ def families(view, snapshot, devices, params, liveness=None, cgroup_visible=None
         resolver, inventory = devices, inventory_from_snapshot(snapshot, devices)
     state = node_state(view, inventory, params, liveness)
     cgroups = CgroupScan(cgroup_visible, frozenset(), "v2") if cgroup_visible is not None else None
+    stale, counts = summarise(liveness or {})
     model = Analysis(view, snapshot or TelemetrySnapshot(source="none"), resolver, inventory, state,
-                     headroom_figures(state, inventory, params), AgentLayout(roots=()), liveness=liveness or {}, cgroups=cgroups)
+                     headroom_figures(state, inventory, params), AgentLayout(roots=()), liveness=liveness or {},
+                     stale_kernels=stale, liveness_counts=counts, cgroups=cgroups)
     return headroom_families(model)
 
 
