@@ -354,7 +354,7 @@ class ExporterCollector(Collector):
         cached = self._cache.get(part.name)
         while part.name in self._ahead:
             if cached is not None and cached.has(openmetrics):
-                made = self._make(part, cached, openmetrics, gzipped, current=True)  # at most a deflate of its text
+                made = self._formed(part, cached, openmetrics, gzipped)  # at most a deflate of its text
                 break
             self._ahead_done.wait()
             cached = self._cache.get(part.name)
@@ -364,15 +364,19 @@ class ExporterCollector(Collector):
             self._cache[part.name] = made
         return made
 
-    def _make(self, part: Part, cached: _Cached | None, openmetrics: bool, gzipped: bool, current: bool = False) -> _Cached:
-        """``cached`` if it is the part's current render (``current``: taken as such) with the form
-        made, else a new render with it; stores nothing."""
-        token = None if current and cached is not None else part.token()  # read before the render it names
-        if cached is None or (not current and cached.token != token):
+    def _make(self, part: Part, cached: _Cached | None, openmetrics: bool, gzipped: bool) -> _Cached:
+        """``cached`` if it is the part's current render, else a new render, with the form made;
+        stores nothing."""
+        token = part.token()  # read before the render it names
+        if cached is None or cached.token != token:
             start = time.perf_counter()
             text = part.text() if part.text is not None else render_families(list(part.families()))
             plain, piece = (None, text) if part.gzipped else (text, None)
             cached = _Cached(token, plain, piece, time.perf_counter() - start, self._clock())
+        return self._formed(part, cached, openmetrics, gzipped)
+
+    def _formed(self, part: Part, cached: _Cached, openmetrics: bool, gzipped: bool) -> _Cached:
+        """``cached`` with its form in that format and encoding made; stores nothing."""
         if openmetrics and not cached.has(True):
             cached = self._openmetrics(part, cached)
         if gzipped and cached.held(openmetrics, True) is None:

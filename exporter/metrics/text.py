@@ -290,14 +290,9 @@ class ChunkedText:
         cut from the chunk's text (inflated first if kept compressed) at the offsets kept for
         them: after one kernel changes, starts or ends, a render encodes one key, not its
         chunk's (BENCHMARKS.md, figures behind design decisions)."""
-        if chunk.encoded == chunk.keys:  # the same keys: each kept at its place, unless it changed
-            source = [i if new is old or new == old else -1 for i, (new, old) in enumerate(zip(current, kept, strict=True))]
-        else:  # keys came or went (_move_keys): each key kept is found where it was
-            at = {key: i for i, key in enumerate(chunk.encoded)}
-            source = []
-            for key, new in zip(chunk.keys, current, strict=True):
-                i = at.get(key, -1)
-                source.append(i if i >= 0 and (new is kept[i] or new == kept[i]) else -1)
+        at = {key: i for i, key in enumerate(chunk.encoded)}  # where each key was (keys may have come or gone)
+        source = [i if (i := at.get(key, -1)) >= 0 and (new is kept[i] or new == kept[i]) else -1
+                  for key, new in zip(chunk.keys, current, strict=True)]
         fresh = [j for j, i in enumerate(source) if i < 0]
         if len(fresh) > len(current) // 8:  # many: encoding the chunk whole costs about the same
             self._encode(chunk, current, encode)
