@@ -25,6 +25,7 @@ LAYERS = {
     "exporter.units": 0,
     "exporter.files": 0,
     "exporter.logs": 0,
+    "exporter.foreground": 0,
     "exporter.scratch": 1,
     "exporter.telemetry": 1,
     "exporter.settings": 1,

@@ -56,6 +56,7 @@ from exporter.analysis.node import (
     ratio_capacities,
 )
 from exporter.analysis.shapes import DEFAULT_SHAPES, Shape, shape_figures
+from exporter.foreground import ASIDE_AT_MOST_SECONDS, QUIET_SECONDS, Foreground
 from exporter.scratch.allocation import AllocationView, Kernel
 from exporter.scratch.identity import UNDEFINED
 from exporter.telemetry.devices import DeviceResolver
@@ -91,6 +92,8 @@ class PipelineConfig:
     cgroupfs: str | Path | None = None
     stale_grace: float = 300.0
     shapes: tuple[Shape, ...] = DEFAULT_SHAPES  # --fleet.shape: request shapes judged per node
+    quiet: float = QUIET_SECONDS  # the usage thread steps aside for kernel changes (exporter.foreground)
+    aside_at_most: float = ASIDE_AT_MOST_SECONDS
 
 
 def _moved(before: Mapping[str, KernelLiveness], after: Mapping[str, KernelLiveness],
@@ -267,6 +270,7 @@ class AnalysisPipeline:
         self._changed = threading.Event()  # the book moved, or a usage pass moved what placement reads
         self._sampled = threading.Event()
         self._stop = threading.Event()
+        self._foreground = Foreground(self._stop.wait, config.quiet, config.aside_at_most)
         self._threads: list[threading.Thread] = []
 
     @property
@@ -276,8 +280,9 @@ class AnalysisPipeline:
         return model if model is not None else self.step()
 
     def poke(self) -> None:
-        """The allocation book changed: place it soon. Cheap, never blocks (the book calls it
-        under its lock)."""
+        """The allocation book changed: place it soon (the usage thread steps aside meanwhile).
+        Cheap, never blocks (the book calls it under its lock)."""
+        self._foreground.changed()
         self._changed.set()
 
     def sampled(self) -> None:
@@ -317,14 +322,21 @@ class AnalysisPipeline:
             self._guarded(self._allocation_pass)
 
     def _usage_loop(self, counted: Callable[[], None] | None, used: Callable[[float], None] | None) -> None:
+        aside = self._foreground  # steps aside while kernels change (exporter.foreground)
         while not self._stop.is_set():
             self._sampled.wait(max(self._next_usage - self._monotonic(), 0.0))
             if self._stop.is_set():
                 return
             self._sampled.clear()
-            if self._guarded(self._usage_pass):
+            aside.begin()
+            aside.step_aside()
+            if self._stop.is_set():
+                return
+            if self._guarded(lambda: self._usage_pass(aside=aside.step_aside)):
                 self._changed.set()
-                if used is not None:
+                if used is not None:  # a render for the next scrape: that scrape renders it if it comes first
+                    aside.begin()
+                    aside.step_aside()
                     self._guarded(lambda: used(max(self._next_usage - self._monotonic(), 0.0)))
             if counted is not None:
                 self._guarded(counted)
@@ -367,11 +379,12 @@ class AnalysisPipeline:
             self._model = replace(prev, **changes) if prev else Analysis(layout=self.config.layout, **changes)
             return self._model
 
-    def _usage_pass(self, full: bool = False, ledger: bool = True) -> bool:
+    def _usage_pass(self, full: bool = False, ledger: bool = True, aside: Callable[[], None] = lambda: None) -> bool:
         """The join (when the snapshot or the GPU ids moved) and the usage stage, when a sample
         arrived, the interval passed or ``full``; publishes them. Returns whether it ran.
 
         :param ledger: False: the ledger's pass is left to the next usage pass, due at once.
+        :param aside: called before the ledger's pass (the usage thread steps aside there).
         """
         with self._usage_lock:
             prev = self._model
@@ -387,7 +400,7 @@ class AnalysisPipeline:
                 resolver, inventory = device_join(view, snapshot, self.config.device_id_scheme)
             changes: dict = {"snapshot": snapshot, "sample_version": sample_version, "resolver": resolver,
                              "inventory": inventory}
-            changes.update(self._usage(prev, view, snapshot, resolver, now, ledger))
+            changes.update(self._usage(prev, view, snapshot, resolver, now, ledger, aside))
             self._next_usage = now + self.config.interval if ledger or self._accountant is None else now
             if prev is None:  # the first model is published whole, never without a node state
                 changes.update(self._placement(view, inventory, resolver, snapshot, changes.get("liveness", {}),
@@ -444,7 +457,7 @@ class AnalysisPipeline:
         return stale
 
     def _usage(self, prev: Analysis | None, view: AllocationView, snapshot: TelemetrySnapshot, resolver: DeviceResolver,
-               now: float, ledger: bool = True) -> dict:
+               now: float, ledger: bool = True, aside: Callable[[], None] = lambda: None) -> dict:
         """Liveness (when due), attribution and accounting; each failure is logged and leaves
         its figures empty, never the pass undone."""
         out: dict = {"usage_version": prev.usage_version + 1 if prev else 1}
@@ -480,6 +493,8 @@ class AnalysisPipeline:
             except Exception:
                 log.exception("process attribution failed")
         if self._accountant is not None:
+            if ledger:
+                aside()
             out["accounting"] = self._count(view, snapshot, resolver, capacity, attribution) if ledger else _NOTHING_COUNTED
         out["attribution"] = attribution
         if self._ghost is not None:

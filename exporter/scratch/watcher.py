@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from watchdog.observers.inotify_c import InotifyConstants as IN
 from watchdog.observers.inotify_c import InotifyEvent, InotifyFD
 
+from exporter.foreground import Foreground
 from exporter.scratch.reader import IDENTITY_FILE, RESOURCE_FILE, Scanner, ScanStats, is_kernel_name
 
 __all__ = ["ScratchWatcher", "WatcherStatus"]
@@ -59,6 +60,8 @@ _CONFIG_NAME = RESOURCE_FILE.parent.name.encode()
 _IDENTITY_NAME = IDENTITY_FILE.name.encode()
 # recovery.json is rewritten in place (truncate, write): read it once the writer closes it.
 _IDENTITY_EVENTS = IN.IN_CLOSE_WRITE | IN.IN_MOVED_TO
+# Seconds a rescan may wait, in all, for quiet spells between events (exporter.foreground).
+_RESCAN_ASIDE_AT_MOST = 5.0
 _CB_ID = 0  # one callback per watch: its id only has to be unique within the watch
 # What the events of one read left to do for a kernel (bits, see ScratchWatcher._mark).
 _READ = 1  # read resource.txt
@@ -182,6 +185,10 @@ class ScratchWatcher:
         self._worker: threading.Thread | None = None
         self._stop = threading.Event()
         self._armed = threading.Event()  # the start's arming passes are done
+        # The events, which a rescan steps aside for (exporter.foreground): it is a safety net behind
+        # them and may come a few seconds late, so its bound is wider than the usage thread's (a
+        # burst of changes right after the start would otherwise outlast it).
+        self._foreground = Foreground(self._stop.wait, at_most=_RESCAN_ASIDE_AT_MOST)
         self._wake_r, self._wake_w = -1, -1
         self._rescan_requested = False
         self._overflows = self._errors = self._events = self._rescans = 0
@@ -331,10 +338,11 @@ class ScratchWatcher:
         with self._lock:  # retried below: a watch limit may have been raised since
             self._degraded.pop("inotify", None)
         stats = []
+        self._foreground.begin()
         for root in self.roots:
             if self._fd is not None:
                 self._arm_root(root)
-            stats.append(self.scanner.scan(root, force=force))
+            stats.append(self.scanner.scan(root, force=force, aside=self._foreground.step_aside))
             if self._fd is not None and arm_kernels:
                 # Watched kernels stay valid until their directory goes (a root event) or a mount
                 # replaces it (a mount-table event): a rescan only arms the ones without a watch.
@@ -483,6 +491,7 @@ class ScratchWatcher:
         with self._lock:
             self._events += 1
             self._last_event = self._clock()
+            self._foreground.changed()
             w = self._by_wd.get(event.wd)
         if w is None:  # a watch we just dropped
             return

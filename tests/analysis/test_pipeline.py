@@ -8,11 +8,13 @@ import threading
 from decimal import Decimal
 from pathlib import Path
 
+import pytest
 from helpers import wait_for
 
 from exporter.analysis.accounting import Accountant
 from exporter.analysis.node import HeadroomParams
 from exporter.analysis.pipeline import AnalysisPipeline, PipelineConfig, analyse
+from exporter.foreground import Foreground
 from exporter.scratch.allocation import AllocationBook
 from exporter.scratch.resources import parse_resource
 from exporter.telemetry.model import DeviceReading, TelemetrySnapshot
@@ -243,6 +245,7 @@ def test_a_kernel_change_is_placed_while_a_usage_pass_runs() -> None:
     release.set()
     p.step()
     release.clear()
+    entered.clear()  # set by the step's ledger pass
     p.start()
     try:
         telemetry.publish(snapshot("GPU-a"))
@@ -381,3 +384,90 @@ def test_a_kernel_change_judges_only_the_changed_kernels(tmp_path: Path, monkeyp
                     assert model.liveness[kid] in (every[kid], before.liveness[kid])
         before = model
     assert apart > 20 and full > 10
+
+
+def test_the_usage_thread_steps_aside_while_kernels_change_and_the_allocation_thread_does_not() -> None:
+    """While kernels change, a usage pass waits for a quiet spell (it loses nothing by starting
+    later: its figures integrate over the time that passed), and the change is placed meanwhile;
+    a start (``step``) never waits, and a close ends the wait at once."""
+    book, telemetry = AllocationBook(clock=lambda: 0.0), Telemetry(snapshot("GPU-a"))
+    p = AnalysisPipeline(PipelineConfig(params=HeadroomParams(mode="fractional"), interval=3600, quiet=60.0,
+                                        aside_at_most=60.0), book.view, telemetry, accountant=Accountant())
+    book.subscribe(p.poke)
+    book.apply("k0", "/scratch", parse_resource(resource("GPU-a:1")))
+    started = threading.Thread(target=p.step)
+    started.start()
+    started.join(5)
+    assert not started.is_alive()  # the start placed and counted without stepping aside
+    p.start()
+    try:
+        book.apply("k1", "/scratch", parse_resource(resource("GPU-a:4")))
+        telemetry.publish(snapshot("GPU-a"))
+        p.sampled()
+        assert wait_for(lambda: p.current.view.version == book.version)
+        assert headroom(p.current) == Decimal("8.5")
+        threading.Event().wait(0.3)
+        assert p.current.sample_version == 1  # the usage pass waits
+    finally:
+        p.close()  # within the 60 s it would wait
+    assert not [t for t in threading.enumerate() if t.name.startswith("analysis")]
+
+
+def test_a_usage_pass_waits_at_most_its_bound_however_often_kernels_change() -> None:
+    book, telemetry = AllocationBook(clock=lambda: 0.0), Telemetry(snapshot("GPU-a"))
+    p = AnalysisPipeline(PipelineConfig(params=HeadroomParams(mode="fractional"), interval=3600, quiet=0.05,
+                                        aside_at_most=0.2), book.view, telemetry, accountant=Accountant())
+    book.subscribe(p.poke)
+    p.step()
+    p.start()
+    stop = threading.Event()
+
+    def churn() -> None:  # a change every 10 ms: never a quiet spell of 50 ms
+        n = 0
+        while not stop.wait(0.01):
+            n += 1
+            book.apply(f"k{n % 3}", "/scratch", parse_resource(resource(f"GPU-a:{n % 5 + 1}")))
+
+    churner = threading.Thread(target=churn)
+    churner.start()
+    try:
+        telemetry.publish(snapshot("GPU-a"))
+        p.sampled()
+        assert wait_for(lambda: p.current.sample_version == 2)
+    finally:
+        stop.set()
+        churner.join()
+        p.close()
+
+
+def test_stepping_aside_waits_for_a_quiet_spell_within_its_bound() -> None:
+    """Each wait is one quiet spell; a change during it asks for another; the pass's bound ends
+    the waiting, ``begin`` renews it, and a stop ends it at once."""
+    waits: list[float] = []
+    during: list[int] = []  # changes that arrive during each successive wait
+
+    def wait(seconds: float) -> bool:
+        waits.append(seconds)
+        for _ in range(during.pop(0) if during else 0):
+            fg.changed()
+        return False
+
+    fg = Foreground(wait, 0.05, 0.12)
+    fg.step_aside()
+    assert waits == []  # no change since the last look: no wait
+    fg.changed()
+    during[:] = [2, 0]
+    fg.step_aside()
+    assert waits == [0.05, 0.05]  # one change, then two during the first spell, none during the second
+    fg.changed()
+    during[:] = [1, 1, 1]
+    fg.step_aside()
+    assert waits[2:] == [pytest.approx(0.02)]  # what is left of 0.12 s this pass
+    fg.begin()
+    during.clear()
+    waits.clear()
+    fg.step_aside()  # the change of the last spell, unseen: one more spell, now it may wait again
+    assert waits == [0.05]
+    stopping = Foreground(lambda s: True, 0.05, 1.0)
+    stopping.changed()
+    stopping.step_aside()  # returns: nothing to count, it only must not loop

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import threading
+import time
 from decimal import Decimal
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 from helpers import wait_for
 
 from exporter.demo import write_kernel
+from exporter.foreground import Foreground
 from exporter.scratch.allocation import AllocationBook, KernelState
 from exporter.scratch.reader import Scanner
 from exporter.scratch.watcher import ScratchWatcher
@@ -292,8 +294,8 @@ def test_a_rewrite_between_the_first_read_and_the_watch_is_not_lost(tmp_path: Pa
     class RewriteAfterFirstRead(Scanner):
         done = False
 
-        def _restat(self, root, kernels):
-            super()._restat(root, kernels)
+        def _restat(self, root, kernels, aside=None):
+            super()._restat(root, kernels, aside)
             if not self.done:  # the arming pass's stats are done; its watches are not armed yet
                 self.done = True
                 (tmp_path / "k1/config/resource.txt").write_text(FULL.replace("0.5", "0.25") + "X=grown\n")
@@ -425,3 +427,39 @@ def test_a_kernel_moved_away_whose_watch_still_reports_is_forgotten_with_its_wat
     assert scanner.mine == [("read", "k00", True)]
     assert "k00" not in book.view().kernels
     assert ("k00" not in {k for _, k in watcher._kernel_watch}) and watcher.status().watches == 50
+
+
+def test_a_rescan_steps_aside_while_events_arrive(tmp_path: Path) -> None:
+    """A rescan is a safety net behind the events: one that starts right after an event waits
+    for a quiet spell first (exporter.foreground), and one with no event since does not."""
+    write_kernel(tmp_path, "k1", {"cuda.shares": {"GPU-a": Decimal("0.5")}})
+    book = AllocationBook()
+    spans: list[tuple[float, float]] = []  # (requested, stats begun), monotonic seconds
+    requested = [0.0]
+
+    class Timed(Scanner):
+        def _restat(self, root, kernels, aside=None):
+            def first_aside() -> None:
+                if aside is not None:
+                    aside()
+                spans.append((requested[0], time.monotonic()))
+
+            super()._restat(root, kernels, first_aside)
+
+    with ScratchWatcher(Timed(book), [str(tmp_path)], rescan_interval=3600) as watcher:
+        assert watcher.wait_armed(5)
+        watcher._foreground = Foreground(watcher._stop.wait, quiet=0.5)  # wide apart from a slow machine's delays
+        spans.clear()
+        (tmp_path / "k1/config/resource.txt").write_text(FULL.replace("0.5", "0.25"))
+        wait_for(lambda: book.view().alloc_map == {"GPU-a": "0.25"})
+        requested[0] = time.monotonic()
+        watcher.request_rescan()
+        wait_for(lambda: spans)
+        asked, begun = spans[0]
+        assert begun - asked >= 0.45  # the event before it: a quiet spell of 0.5 s first
+        spans.clear()
+        requested[0] = time.monotonic()
+        watcher.request_rescan()
+        wait_for(lambda: spans)
+        asked, begun = spans[0]
+        assert begun - asked < 0.4  # nothing since: at once
