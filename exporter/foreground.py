@@ -43,9 +43,9 @@ class Foreground:
         """A change arrived (cheap: one increment)."""
         self._changes += 1
 
-    def begin(self) -> None:
-        """A new pass: it may wait ``at_most`` seconds again."""
-        self._left = self._at_most
+    def begin(self, at_most: float | None = None) -> None:
+        """A new pass: it may wait ``at_most`` seconds again (None: the bound it was made with)."""
+        self._left = self._at_most if at_most is None else at_most
 
     def step_aside(self) -> None:
         """Return once ``quiet`` seconds pass without a change since the last look (at once where

@@ -18,7 +18,8 @@ a usage pass, however long that one takes:
   pass, without waiting for a sample.
 
 A stage whose inputs are the same objects as last time keeps its output, so a pass costs what
-changed. :func:`analyse` is the same computation as a pure function (tests, ``scan``, ``simulate``).
+changed. While kernels change, the usage thread steps aside (:mod:`exporter.foreground`): before a
+pass, before the ledger and before the render ahead it waits for a quiet spell, within a bound. :func:`analyse` is the same computation as a pure function (tests, ``scan``, ``simulate``).
 """
 
 from __future__ import annotations

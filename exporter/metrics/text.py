@@ -7,6 +7,7 @@ exporter's start nothing.
 
 from __future__ import annotations
 
+import functools
 import re
 import struct
 import weakref
@@ -425,9 +426,11 @@ def openmetrics_text(text: bytes, created: CreatedTimes | None = None, at: float
     return b"".join(pieces)
 
 
+@functools.lru_cache(maxsize=1024)
 def _metadata(run: bytes) -> tuple[bytes, bytes, bytes]:
     """One run of HELP and TYPE lines in OpenMetrics, with the name and type of its last family
-    (the one the samples after the run belong to)."""
+    (the one the samples after the run belong to). Kept per run: the families' heads are the same
+    at every render (a few hundred runs in all; ~36 per scrape after a kernel change, ~0.5 ms)."""
     families: dict[bytes, dict[bytes, bytes]] = {}
     for line in run.splitlines():
         _, kind, name, rest = (line.split(b" ", 3) + [b""])[:4]

@@ -338,7 +338,7 @@ class ScratchWatcher:
         with self._lock:  # retried below: a watch limit may have been raised since
             self._degraded.pop("inotify", None)
         stats = []
-        self._foreground.begin()
+        self._foreground.begin(min(_RESCAN_ASIDE_AT_MOST, self._interval()))  # degraded: rescans find changes
         for root in self.roots:
             if self._fd is not None:
                 self._arm_root(root)
