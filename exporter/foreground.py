@@ -43,6 +43,10 @@ class Foreground:
         """A change arrived (cheap: one increment)."""
         self._changes += 1
 
+    def seen(self) -> None:
+        """Every change so far needs no stepping aside (those a start has already handled)."""
+        self._seen = self._changes
+
     def begin(self, at_most: float | None = None) -> None:
         """A new pass: it may wait ``at_most`` seconds again (None: the bound it was made with)."""
         self._left = self._at_most if at_most is None else at_most

@@ -324,6 +324,7 @@ class AnalysisPipeline:
 
     def _usage_loop(self, counted: Callable[[], None] | None, used: Callable[[float], None] | None) -> None:
         aside = self._foreground  # steps aside while kernels change (exporter.foreground)
+        aside.seen()  # the start's own changes: placed by its step, and the ledger's first pass is due now
         while not self._stop.is_set():
             self._sampled.wait(max(self._next_usage - self._monotonic(), 0.0))
             if self._stop.is_set():
