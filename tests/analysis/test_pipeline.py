@@ -442,7 +442,7 @@ def test_a_usage_pass_waits_at_most_its_bound_however_often_kernels_change() -> 
 
 def test_stepping_aside_waits_for_a_quiet_spell_within_its_bound() -> None:
     """Each wait is one quiet spell; a change during it asks for another; the pass's bound ends
-    the waiting, ``begin`` renews it, and a stop ends it at once."""
+    the waiting, ``begin`` renews it, changes marked ``seen`` ask for none, and a stop ends it at once."""
     waits: list[float] = []
     during: list[int] = []  # changes that arrive during each successive wait
 
@@ -468,6 +468,11 @@ def test_stepping_aside_waits_for_a_quiet_spell_within_its_bound() -> None:
     waits.clear()
     fg.step_aside()  # the change of the last spell, unseen: one more spell, now it may wait again
     assert waits == [0.05]
+    fg.changed()
+    fg.seen()  # a start's own changes
+    waits.clear()
+    fg.step_aside()
+    assert waits == []
     stopping = Foreground(lambda s: True, 0.05, 1.0)
     stopping.changed()
     stopping.step_aside()  # returns: nothing to count, it only must not loop
