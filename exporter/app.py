@@ -185,7 +185,7 @@ class Exporter:
         default_id = self.layout.default_agent_id
         inputs = Inputs(self.book.view, lambda: self.pipeline.current, self.watcher.status, self._source.name,
                         self.layout.agents if self.layout.multi_agent else ((default_id,) if default_id else ()), series,
-                        (lambda: self._labels_health) if self._labels else None, server_stats)
+                        (lambda: self._labels_health) if self._labels else None, server_stats, self.pipeline.step_aside)
         self.exposition = _Exposition(inputs, dict(config.collectors), clock, s.web_openmetrics_created, monotonic)
         self.routes = Routes(Served(self.book.view, lambda: self.pipeline.current, self.exposition.render,
                                     self.exposition.render_cached, self._ready.is_set, self.watcher.status,

@@ -19,7 +19,8 @@ a usage pass, however long that one takes:
 
 A stage whose inputs are the same objects as last time keeps its output, so a pass costs what
 changed. While kernels change, the usage thread steps aside (:mod:`exporter.foreground`): before a
-pass, before the ledger and before the render ahead it waits for a quiet spell, within a bound. :func:`analyse` is the same computation as a pure function (tests, ``scan``, ``simulate``).
+pass, before the ledger and between the steps of the render ahead (:meth:`AnalysisPipeline.step_aside`)
+it waits for a quiet spell, within a bound. :func:`analyse` is the same computation as a pure function (tests, ``scan``, ``simulate``).
 """
 
 from __future__ import annotations
@@ -273,6 +274,7 @@ class AnalysisPipeline:
         self._stop = threading.Event()
         self._foreground = Foreground(self._stop.wait, config.quiet, config.aside_at_most)
         self._threads: list[threading.Thread] = []
+        self._usage_thread: threading.Thread | None = None
 
     @property
     def current(self) -> Analysis:
@@ -286,6 +288,13 @@ class AnalysisPipeline:
         self._foreground.changed()
         self._changed.set()
 
+    def step_aside(self) -> None:
+        """On the usage thread, wait while kernels change (within its pass's bound, see
+        :mod:`exporter.foreground`); on any other thread return at once. The render ahead, which
+        runs on the usage thread, calls it between its long steps."""
+        if threading.current_thread() is self._usage_thread:
+            self._foreground.step_aside()
+
     def sampled(self) -> None:
         """The sampler published: run a usage pass soon. Cheap, never blocks."""
         self._sampled.set()
@@ -296,9 +305,10 @@ class AnalysisPipeline:
         its first wait, ``counted`` on the usage thread once after its first pass (the ledger's
         first, after ``step(ledger=False)``), ``used`` on the usage thread after each usage pass,
         with the seconds until the next one is due."""
+        self._usage_thread = threading.Thread(target=self._usage_loop, args=(counted, used), name="analysis-usage",
+                                              daemon=True)
         self._threads = [threading.Thread(target=self._allocation_loop, args=(first,), name="analysis", daemon=True),
-                         threading.Thread(target=self._usage_loop, args=(counted, used), name="analysis-usage",
-                                          daemon=True)]
+                         self._usage_thread]
         for thread in self._threads:
             thread.start()
 
@@ -336,9 +346,8 @@ class AnalysisPipeline:
                 return
             if self._guarded(lambda: self._usage_pass(aside=aside.step_aside)):
                 self._changed.set()
-                if used is not None:  # a render for the next scrape: that scrape renders it if it comes first
+                if used is not None:  # it steps aside itself (step_aside), once scrapes serve the last render
                     aside.begin()
-                    aside.step_aside()
                     self._guarded(lambda: used(max(self._next_usage - self._monotonic(), 0.0)))
             if counted is not None:
                 self._guarded(counted)

@@ -81,6 +81,9 @@ class Inputs:
     :param agent_ids: the host's agent ids (``gpu_alloc_build_info``); empty when none is known.
     :param docker_labels: the opt-in Docker label reader's health; None: not configured.
     :param server: the HTTP server's counters; None: not served (tests, ``scan``).
+    :param aside: called between the long steps of a render: on the thread that renders ahead of
+        the scrape, it waits while kernels change (:mod:`exporter.foreground`); elsewhere it
+        returns at once.
     """
 
     view: Callable[[], AllocationView]
@@ -91,6 +94,7 @@ class Inputs:
     series: SeriesOptions = SeriesOptions()
     docker_labels: Callable[[], Health] | None = None
     server: Callable[[], Hashable] | None = None  # () -> exporter.metrics.server.ServerStats
+    aside: Callable[[], None] = lambda: None
 
     @property
     def agent_id(self) -> str | None:

@@ -476,3 +476,32 @@ def test_stepping_aside_waits_for_a_quiet_spell_within_its_bound() -> None:
     stopping = Foreground(lambda s: True, 0.05, 1.0)
     stopping.changed()
     stopping.step_aside()  # returns: nothing to count, it only must not loop
+
+
+def test_step_aside_waits_on_the_usage_thread_only() -> None:
+    """The render ahead (on the usage thread) steps aside between its long steps while kernels
+    change; the same render in a scrape, on another thread, never waits."""
+    book, telemetry = AllocationBook(clock=lambda: 0.0), Telemetry(snapshot("GPU-a"))
+    p = AnalysisPipeline(PipelineConfig(params=HeadroomParams(mode="fractional"), interval=0.05, quiet=60.0,
+                                        aside_at_most=60.0), book.view, telemetry, accountant=Accountant())
+    p.step(ledger=False)
+    elsewhere = threading.Thread(target=lambda: (p.poke(), p.step_aside()))
+    elsewhere.start()
+    elsewhere.join(5)
+    assert not elsewhere.is_alive()
+    entered, left = threading.Event(), threading.Event()
+
+    def used(_: float) -> None:
+        if not entered.is_set():
+            entered.set()
+            p.poke()  # a kernel change while the render ahead runs
+            p.step_aside()
+            left.set()
+
+    p.start(used=used)
+    try:
+        assert entered.wait(5)
+        assert not left.wait(0.3)  # waiting for a quiet spell
+    finally:
+        p.close()  # ends the wait
+    assert left.is_set()

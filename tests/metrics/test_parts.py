@@ -135,11 +135,14 @@ def test_the_accounting_text_is_what_prometheus_client_writes() -> None:
         busy_seconds={("k1", "GPU-a"): 1e-9},
     )
     moved = dataclasses.replace(result, shares={("k1", "GPU-a"): 0.25, (odd, "GPU-b"): 1.0})
-    text = AccountingText()
+    asides: list[int] = []
+    text = AccountingText(aside=lambda: asides.append(1))
     # Pairs dropped, then back; then the same pairs with other shares (kept share lines are not reused).
     for case in (result, Accounting(), result, result, moved, moved):
         expected = render_families(accounting_families(case))
+        asides.clear()
         assert inflate(text.render(case)) == expected
+        assert len(asides) == 4  # before the render, and before each of its three per-pair families
         # The OpenMetrics form shares the samples and is the conversion of the text.
         assert inflate(text.openmetrics()) == openmetrics_text(expected)
     assert not text.render(None) and not text.openmetrics()
