@@ -19,8 +19,9 @@ a usage pass, however long that one takes:
 
 A stage whose inputs are the same objects as last time keeps its output, so a pass costs what
 changed. While kernels change, the usage thread steps aside (:mod:`exporter.foreground`): before a
-pass, before the ledger and between the steps of the render ahead (:meth:`AnalysisPipeline.step_aside`)
-it waits for a quiet spell, within a bound. :func:`analyse` is the same computation as a pure function (tests, ``scan``, ``simulate``).
+pass, before the ledger and between the steps of the render ahead
+(:meth:`AnalysisPipeline.step_aside`) it waits for a quiet spell, within a bound. :func:`analyse`
+is the same computation as a pure function (tests, ``scan``, ``simulate``).
 """
 
 from __future__ import annotations

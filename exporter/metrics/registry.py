@@ -275,7 +275,9 @@ class ExporterCollector(Collector):
         The parts are rendered outside the registry's lock: a scrape meanwhile serves their last
         render (one pass older: the ledger's counters as of the pass before, still monotonic)
         instead of waiting for the new one (~20-35 ms at 10,000 kernels, BENCHMARKS.md i10), or
-        waits for it where the last render lacks the form it asks for."""
+        waits for it where the last render lacks the form it asks for. A part's render may step
+        aside while kernels change (:attr:`~exporter.metrics.collectors.Inputs.aside`): scrapes
+        are then served the same way."""
         scraped, now = list(self._scraped), self._monotonic()
         if len(scraped) < 3:
             return False
