@@ -345,7 +345,7 @@ class AnalysisPipeline:
             aside.step_aside()
             if self._stop.is_set():
                 return
-            if self._guarded(lambda: self._usage_pass(aside=aside.step_aside)):
+            if self._guarded(self._usage_pass):
                 self._changed.set()
                 if used is not None:  # it steps aside itself (step_aside), once scrapes serve the last render
                     aside.begin()
@@ -391,12 +391,11 @@ class AnalysisPipeline:
             self._model = replace(prev, **changes) if prev else Analysis(layout=self.config.layout, **changes)
             return self._model
 
-    def _usage_pass(self, full: bool = False, ledger: bool = True, aside: Callable[[], None] = lambda: None) -> bool:
+    def _usage_pass(self, full: bool = False, ledger: bool = True) -> bool:
         """The join (when the snapshot or the GPU ids moved) and the usage stage, when a sample
         arrived, the interval passed or ``full``; publishes them. Returns whether it ran.
 
         :param ledger: False: the ledger's pass is left to the next usage pass, due at once.
-        :param aside: called before the ledger's pass (the usage thread steps aside there).
         """
         with self._usage_lock:
             prev = self._model
@@ -412,7 +411,7 @@ class AnalysisPipeline:
                 resolver, inventory = device_join(view, snapshot, self.config.device_id_scheme)
             changes: dict = {"snapshot": snapshot, "sample_version": sample_version, "resolver": resolver,
                              "inventory": inventory}
-            changes.update(self._usage(prev, view, snapshot, resolver, now, ledger, aside))
+            changes.update(self._usage(prev, view, snapshot, resolver, now, ledger))
             self._next_usage = now + self.config.interval if ledger or self._accountant is None else now
             if prev is None:  # the first model is published whole, never without a node state
                 changes.update(self._placement(view, inventory, resolver, snapshot, changes.get("liveness", {}),
@@ -469,7 +468,7 @@ class AnalysisPipeline:
         return stale
 
     def _usage(self, prev: Analysis | None, view: AllocationView, snapshot: TelemetrySnapshot, resolver: DeviceResolver,
-               now: float, ledger: bool = True, aside: Callable[[], None] = lambda: None) -> dict:
+               now: float, ledger: bool = True) -> dict:
         """Liveness (when due), attribution and accounting; each failure is logged and leaves
         its figures empty, never the pass undone."""
         out: dict = {"usage_version": prev.usage_version + 1 if prev else 1}
@@ -506,7 +505,7 @@ class AnalysisPipeline:
                 log.exception("process attribution failed")
         if self._accountant is not None:
             if ledger:
-                aside()
+                self.step_aside()  # on the usage thread only: a start's step never waits
             out["accounting"] = self._count(view, snapshot, resolver, capacity, attribution) if ledger else _NOTHING_COUNTED
         out["attribution"] = attribution
         if self._ghost is not None:
