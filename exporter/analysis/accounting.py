@@ -44,8 +44,9 @@ carved from, so a GPU's health reaches every kernel on it, whatever it holds):
     ``undefined`` where unknown), as counters that stay while kernels come and go, so a session
     shorter than a scrape interval is counted in full by ``increase()``.
 
-  A pass integrates the shares the previous pass saw over the time since it, so an allocation
-  change is counted from the next pass (an error of at most one telemetry interval per change).
+  A pass integrates the shares the previous pass saw over the time since it (the times the
+  kernels were observed, see :meth:`Accountant.update`), so an allocation change is counted from
+  the next pass (an error of at most one telemetry interval per change).
   Counters of a kernel that went away stay for ``retention`` seconds, so the last increment is
   scraped (Backend.AI drops an ended kernel's series after 600 s as well).
 """
@@ -463,6 +464,7 @@ class Accountant:
         attribution: AttributionResult | None,
         version: Hashable | None = None,
         changes: Callable[[Hashable], Mapping[str, Kernel | None] | None] | None = None,
+        at: float | None = None,
     ) -> Accounting:
         """One pass.
 
@@ -473,8 +475,11 @@ class Accountant:
             measures nothing and sees a few kernels changed moves only their counters
             (:meth:`_shift`): O(changed kernels), where a settle walks every kernel (10,000
             kernels: ~0.1 s of Python, holding the GIL from every scrape and every kernel change).
+        :param at: when ``kernels`` were observed (seconds of ``monotonic``, not before the last
+            pass's); None: now. The counters are as of then: a caller that observes the kernels
+            and counts them later counts each kernel for the time it held its share.
         """
-        now = self._monotonic()
+        now = self._monotonic() if at is None else at
         self._read_energy(snapshot, resolver)
         measured = {(u.kernel_id, u.device_id): u for u in attribution.kernels if u.allocated} if attribution else {}
         env = (_inventory_key(snapshot), resolver.scheme, id(capacity))

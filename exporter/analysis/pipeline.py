@@ -20,8 +20,11 @@ a usage pass, however long that one takes:
 A stage whose inputs are the same objects as last time keeps its output, so a pass costs what
 changed. While kernels change, the usage thread steps aside (:mod:`exporter.foreground`): before a
 pass, before the ledger and between the steps of the render ahead
-(:meth:`AnalysisPipeline.step_aside`) it waits for a quiet spell, within a bound. :func:`analyse`
-is the same computation as a pure function (tests, ``scan``, ``simulate``).
+(:meth:`AnalysisPipeline.step_aside`) it waits for a quiet spell, within a bound. It observes the
+allocation view, and the time the ledger counts it from, when it wakes, before it steps aside: a
+change delays a pass's work, never what the pass observes, so a kernel that comes and goes while
+the thread waits is still counted for the time it held its share. :func:`analyse` is the same
+computation as a pure function (tests, ``scan``, ``simulate``).
 """
 
 from __future__ import annotations
@@ -267,6 +270,7 @@ class AnalysisPipeline:
         self._judged: tuple[int, float] = (-1, 0.0)  # (view version, monotonic time) of the last staleness check
         self._stale: tuple[Mapping | None, Mapping[str, KernelLiveness]] = (None, {})  # (liveness, its stale verdicts)
         self._next_usage = 0.0  # monotonic time the next usage pass is due without a sample
+        self._observed = float("-inf")  # monotonic time of the view the last usage pass observed
         self._usage_lock = threading.Lock()  # one usage pass at a time (its trackers integrate)
         self._allocation_lock = threading.Lock()  # one allocation pass at a time
         self._publish_lock = threading.Lock()  # one replacement of the model at a time
@@ -341,11 +345,14 @@ class AnalysisPipeline:
             if self._stop.is_set():
                 return
             self._sampled.clear()
+            # What this pass counts, observed before it steps aside: a kernel that comes and goes
+            # meanwhile is in its view (observed later, the ledger would never see it).
+            observed = (self._view(), self._monotonic())
             aside.begin()
             aside.step_aside()
             if self._stop.is_set():
                 return
-            if self._guarded(self._usage_pass):
+            if self._guarded(partial(self._usage_pass, observed=observed)):
                 self._changed.set()
                 if used is not None:  # it steps aside itself (step_aside), once scrapes serve the last render
                     aside.begin()
@@ -391,19 +398,24 @@ class AnalysisPipeline:
             self._model = replace(prev, **changes) if prev else Analysis(layout=self.config.layout, **changes)
             return self._model
 
-    def _usage_pass(self, full: bool = False, ledger: bool = True) -> bool:
+    def _usage_pass(self, full: bool = False, ledger: bool = True,
+                    observed: tuple[AllocationView, float] | None = None) -> bool:
         """The join (when the snapshot or the GPU ids moved) and the usage stage, when a sample
         arrived, the interval passed or ``full``; publishes them. Returns whether it ran.
 
         :param ledger: False: the ledger's pass is left to the next usage pass, due at once.
+        :param observed: (view, monotonic time) to count, observed earlier by the caller; None, or
+            one older than the last pass's (a ``step`` ran meanwhile): observed now.
         """
         with self._usage_lock:
             prev = self._model
             sample_version, snapshot = self._telemetry()
-            now = self._monotonic()
+            if observed is None or observed[1] < self._observed:
+                observed = (self._view(), self._monotonic())
+            view, now = observed
             if not (full or prev is None or sample_version != prev.sample_version or now >= self._next_usage):
                 return False
-            view = self._view()
+            self._observed = now
             ids = gpu_ids(view)
             if prev is not None and snapshot is prev.snapshot and ids == self._join_ids:
                 resolver, inventory = prev.resolver, prev.inventory
@@ -506,7 +518,7 @@ class AnalysisPipeline:
         if self._accountant is not None:
             if ledger:
                 self.step_aside()  # on the usage thread only: a start's step never waits
-            out["accounting"] = self._count(view, snapshot, resolver, capacity, attribution) if ledger else _NOTHING_COUNTED
+            out["accounting"] = self._count(view, snapshot, resolver, capacity, attribution, now) if ledger else _NOTHING_COUNTED
         out["attribution"] = attribution
         if self._ghost is not None:
             try:
@@ -527,11 +539,11 @@ class AnalysisPipeline:
         return out
 
     def _count(self, view: AllocationView, snapshot: TelemetrySnapshot, resolver: DeviceResolver, capacity: CapacityConfig,
-               attribution: AttributionResult | None) -> Accounting | None:
+               attribution: AttributionResult | None, at: float) -> Accounting | None:
         """The ledger's pass (None where it failed: logged, the rest of the pass stands)."""
         try:
             return self._accountant.update(view.kernels.values(), snapshot, resolver, capacity, attribution,
-                                           version=view.version, changes=partial(_changes, view))
+                                           version=view.version, changes=partial(_changes, view), at=at)
         except Exception:
             log.exception("GPU accounting failed")
             return None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from decimal import Decimal
 from pathlib import Path
 
@@ -411,6 +412,44 @@ def test_the_usage_thread_steps_aside_while_kernels_change_and_the_allocation_th
     finally:
         p.close()  # within the 60 s it would wait
     assert not [t for t in threading.enumerate() if t.name.startswith("analysis")]
+
+
+def test_a_kernel_that_comes_and_goes_while_a_usage_pass_steps_aside_is_counted() -> None:
+    """The usage thread observes the view when it wakes, before it steps aside: a kernel that
+    comes and goes while the pass waits for a quiet spell is in the ledger for the time it held its
+    share (observed after the wait, it would never have been seen)."""
+    book, telemetry = AllocationBook(clock=lambda: 0.0), Telemetry(snapshot("GPU-a"))
+    observed = threading.Event()
+
+    def view():
+        if threading.current_thread().name == "analysis-usage":
+            observed.set()
+        return book.view()
+
+    p = AnalysisPipeline(PipelineConfig(params=HeadroomParams(mode="fractional"), interval=3600, quiet=1.0,
+                                        aside_at_most=60.0), view, telemetry, accountant=Accountant())
+    book.subscribe(p.poke)
+    book.apply("k0", "/scratch", parse_resource(resource("GPU-a:1")))
+    p.step()
+    p.start()
+    try:
+        book.apply("k1", "/scratch", parse_resource(resource("GPU-a:4")))
+        began = time.monotonic()
+        telemetry.publish(snapshot("GPU-a"))
+        p.sampled()
+        assert observed.wait(0.5)  # at once: the pass then waits for 1 s without a change
+        book.remove("k1")  # within that wait
+        assert p.current.sample_version == 1
+        assert wait_for(lambda: p.current.sample_version == 2)
+        assert ("k1", "GPU-a") in p.current.accounting.shares
+        telemetry.publish(snapshot("GPU-a"))
+        p.sampled()
+        assert wait_for(lambda: p.current.sample_version == 3)
+    finally:
+        p.close()
+    assert ("k1", "GPU-a") not in p.current.accounting.shares
+    held = p.current.accounting.allocated_seconds[("k1", "GPU-a")]
+    assert 0 < held <= (time.monotonic() - began) * 4 / 13.5  # 4 of the GPU's 13.5 shares
 
 
 def test_a_usage_pass_waits_at_most_its_bound_however_often_kernels_change() -> None:
