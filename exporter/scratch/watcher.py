@@ -346,6 +346,7 @@ class ScratchWatcher:
             if self._fd is not None and arm_kernels:
                 # Watched kernels stay valid until their directory goes (a root event) or a mount
                 # replaces it (a mount-table event): a rescan only arms the ones without a watch.
+                self._foreground.step_aside()  # what follows walks every watch, in one go
                 with self._lock:
                     armed = {k for r, k in self._kernel_watch if r == root}
                 known = self.scanner.book.known(root)
