@@ -23,16 +23,20 @@ import subprocess
 import sys
 import threading
 import time
+from decimal import Decimal
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import GPUS, resource_text  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARES = 4  # of the GPU's 13.5 (an A100's default fractional capacity)
-CID = "3b9e1c0d5f2a4e6b8c7d9f0a1b2c3d4e5f60718293a4b5c6d7e8f90a1b2c3d4e"
+GPU = GPUS[0]
 
 
 def _resource(amount: int) -> str:
-    return (f'SCRATCH_SIZE=0m\nMOUNTS=\nSLOTS={{"cuda.shares":"{amount}"}}\nCUDA.SHARES_SHARES=GPU-a:{amount}\n'
-            f"CID={CID}\n")
+    return resource_text({GPU: Decimal(amount)})
 
 
 def one_round(kernels: int, interval: float, seed: int) -> dict:
@@ -45,7 +49,7 @@ def one_round(kernels: int, interval: float, seed: int) -> dict:
     from exporter.telemetry.model import DeviceReading, TelemetrySnapshot
 
     snapshot = TelemetrySnapshot(source="nvml", success=True, devices=(DeviceReading(
-        uuid="GPU-a", index=0, name="NVIDIA A100-SXM4-40GB", memory_total_bytes=40 << 30, multiprocessor_count=108),))
+        uuid=GPU, index=0, name="NVIDIA A100-SXM4-40GB", memory_total_bytes=40 << 30, multiprocessor_count=108),))
     published = [1, snapshot]
     book = AllocationBook(clock=lambda: 0.0)
     pipeline = AnalysisPipeline(PipelineConfig(params=HeadroomParams(mode="fractional"), interval=interval), book.view,
@@ -78,7 +82,7 @@ def one_round(kernels: int, interval: float, seed: int) -> dict:
     thread.join()
     pipeline.close()
     allocated = pipeline.current.accounting.allocated_seconds
-    counted = {kid: allocated.get((kid, "GPU-a"), 0.0) * 13.5 / SHARES for kid in held}
+    counted = {kid: allocated.get((kid, GPU), 0.0) * 13.5 / SHARES for kid in held}
     return {"kernels": kernels, "not_counted": sum(1 for v in counted.values() if v == 0.0),
             "counted_over_held": round(sum(counted.values()) / sum(held.values()), 4)}
 
